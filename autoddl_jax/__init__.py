@@ -1,0 +1,32 @@
+"""autoddl_jax: automatic SBP sharding plans for JAX programs (AutoDDL).
+
+>>> import autoddl_jax as ad
+>>> plan = ad.plan(train_step, state, batch, mesh=mesh)   # doctest: +SKIP
+>>> print(plan.explain())                                  # doctest: +SKIP
+>>> step = plan.jit()                                      # doctest: +SKIP
+"""
+
+from autoddl_jax._api import MemoryBudgetError as MemoryBudgetError
+from autoddl_jax._api import Plan as Plan
+from autoddl_jax._api import PlanCost as PlanCost
+from autoddl_jax._api import cost_of as cost_of
+from autoddl_jax._api import hand_plan as hand_plan
+from autoddl_jax._api import plan as plan
+from autoddl_jax._cluster import H100_NODE as H100_NODE
+from autoddl_jax._cluster import Cluster as Cluster
+from autoddl_jax._graph import (
+    UnsupportedPrimitiveWarning as UnsupportedPrimitiveWarning,
+)
+from autoddl_jax._sbp import B as B
+from autoddl_jax._sbp import P as P
+from autoddl_jax._sbp import NdSbp as NdSbp
+from autoddl_jax._sbp import S as S
+from autoddl_jax._sbp import Sbp as Sbp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "B", "Cluster", "H100_NODE", "MemoryBudgetError", "NdSbp", "P", "Plan",
+    "PlanCost", "S", "Sbp", "UnsupportedPrimitiveWarning", "cost_of",
+    "hand_plan", "plan",
+]

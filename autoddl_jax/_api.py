@@ -1,0 +1,638 @@
+"""The public entry points: :func:`plan` and :func:`cost_of`, and :class:`Plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec
+
+from autoddl_jax import _lower, _search
+from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
+from autoddl_jax._cost import one_axis
+from autoddl_jax._graph import OpGraph, build_graph
+from autoddl_jax._problem import Evaluation, Problem
+from autoddl_jax._sbp import B_CODE as B, NdSbp, codes_to_spec, nd_repr
+from autoddl_jax._sbp import spec_to_codes
+
+__all__ = ["MemoryBudgetError", "Plan", "PlanCost", "cost_of", "plan"]
+
+
+class MemoryBudgetError(ValueError):
+  """No plan found fits the per-device memory budget."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+  """Predicted cost of one training step, per device."""
+
+  time_s: float  # compute_s + comm_s (no overlap assumed)
+  comm_bytes: float  # ring-model bytes each device sends
+  compute_s: float
+  memory_bytes: float  # peak of live tensors under the plan
+  comm_s: float = 0.0
+
+  @classmethod
+  def of(cls, ev: Evaluation) -> PlanCost:
+    return cls(ev.time_s, ev.comm_bytes, ev.compute_s, ev.memory_bytes,
+               ev.comm_s)
+
+
+# ------------------------------------------------------------------ tracing
+@dataclasses.dataclass
+class _Traced:
+  closed: Any
+  in_tree: Any
+  out_tree: Any
+  in_names: list[str]
+  out_names: list[str]
+  in_avals: list[Any]
+  out_avals: list[Any]
+  in_keys: list[tuple[str, ...]]
+  out_keys: list[tuple[str, ...]]
+  splittable: list[bool]
+  shardings: list[Any]  # argument shardings, when arrays came placed
+
+
+def _key_tokens(path) -> tuple[str, ...]:
+  out = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
+def _abstract_leaf(path, x):
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x, getattr(x, "sharding", None)
+  if isinstance(x, jax.Array):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype), getattr(x, "sharding", None)
+  if isinstance(x, np.ndarray | np.generic):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype), None
+  if isinstance(x, bool | int | float | complex):
+    return x, None  # traced as a weak-typed scalar, kept replicated
+  raise TypeError(
+      f"argument leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}; "
+      "autoddl_jax plans over arrays (jax/numpy arrays, jax.ShapeDtypeStruct "
+      "or Python scalars). Close over other values with functools.partial.")
+
+
+def _trace(fn: Callable, args: tuple) -> _Traced:
+  if not callable(fn):
+    raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+  leaves, in_tree = jax.tree_util.tree_flatten_with_path(args)
+  abstract, shardings = [], []
+  for path, x in leaves:
+    a, s = _abstract_leaf(path, x)
+    abstract.append(a)
+    shardings.append(s)
+  abs_args = jax.tree_util.tree_unflatten(in_tree, abstract)
+  try:
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abs_args)
+  except TypeError as e:
+    name = getattr(fn, "__name__", repr(fn))
+    raise TypeError(f"tracing {name} with the given example arguments failed: "
+                    f"{e}. The arguments must be what {name} is called with.") \
+        from e
+  out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+  in_avals = [v.aval for v in closed.jaxpr.invars]
+  splittable = []
+  for a in in_avals:
+    try:
+      np.dtype(a.dtype)
+      splittable.append(True)
+    except TypeError:
+      splittable.append(False)  # PRNG keys and other extended dtypes
+  return _Traced(
+      closed, jax.tree_util.tree_structure(args), out_tree,
+      [jax.tree_util.keystr(p) for p, _ in leaves],
+      [jax.tree_util.keystr(p) for p, _ in out_leaves], in_avals,
+      [v.aval for v in closed.jaxpr.outvars],
+      [_key_tokens(p) for p, _ in leaves],
+      [_key_tokens(p) for p, _ in out_leaves], splittable, shardings)
+
+
+def _same_type(a, b) -> bool:
+  return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+def _state_ties(tr: _Traced) -> tuple[dict[int, int], list[list[int]]]:
+  """Output leaf -> input leaf it updates; and groups of tied input leaves.
+
+  An output ties to the input with the same tree path (``step(params, opt,
+  batch) -> (params, opt, loss)``) and the same type. Among those state
+  leaves, optimizer moments tie to their parameter: same type, different depth,
+  and the longest common key suffix (``[1][0].mu['w']`` <-> ``[0]['w']``).
+  """
+  by_key = {k: i for i, k in enumerate(tr.in_keys)}
+  out_to_in = {}
+  for j, k in enumerate(tr.out_keys):
+    i = by_key.get(k)
+    if i is not None and _same_type(tr.in_avals[i], tr.out_avals[j]):
+      out_to_in[j] = i
+  state = sorted(set(out_to_in.values()))
+  parent = {i: i for i in state}
+
+  def find(i):
+    while parent[i] != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  for b in state:
+    kb = tr.in_keys[b]
+    best, best_c = [], 0
+    for a in state:
+      ka = tr.in_keys[a]
+      if a == b or len(ka) == len(kb) or not _same_type(tr.in_avals[a],
+                                                        tr.in_avals[b]):
+        continue
+      c = 0
+      while c < min(len(ka), len(kb)) and ka[-1 - c] == kb[-1 - c]:
+        c += 1
+      if c > best_c:
+        best, best_c = [a], c
+      elif c == best_c and c:
+        best.append(a)
+    for a in best:
+      parent[find(a)] = find(b)
+  groups: dict[int, list[int]] = {}
+  for i in state:
+    groups.setdefault(find(i), []).append(i)
+  return out_to_in, [sorted(g) for g in groups.values() if len(g) > 1]
+
+
+# ------------------------------------------------------------------- seeds
+def _split_codes(shape, sizes, axes_dims: Sequence[tuple[int, int]]):
+  """Codes splitting dim d over axis a for each (a, d) that still divides."""
+  codes = [B] * len(sizes)
+  div = [1] * len(shape)
+  for a, d in axes_dims:
+    if sizes[a] > 1 and -len(shape) <= d < len(shape):
+      d %= len(shape)
+      if shape[d] % (div[d] * sizes[a]) == 0:
+        codes[a] = d
+        div[d] *= sizes[a]
+  return tuple(codes)
+
+
+def _seed_codes(kind: str, shape, sizes, is_state: bool) -> tuple[int, ...]:
+  n = len(sizes)
+  rank = len(shape)
+  if rank == 0:
+    return (B,) * n
+  if not is_state:  # data
+    axes = range(n) if kind in ("dp", "fsdp", "replicated") else range(n - 1)
+    if kind == "replicated":
+      return (B,) * n
+    return _split_codes(shape, sizes, [(a, 0) for a in axes])
+  if kind == "fsdp":
+    order = sorted(range(rank), key=lambda d: (-shape[d], d))
+    out = [B] * n
+    div = [1] * rank
+    for a in range(n):
+      for d in order:
+        if sizes[a] > 1 and shape[d] % (div[d] * sizes[a]) == 0:
+          out[a] = d
+          div[d] *= sizes[a]
+          break
+    return tuple(out)
+  if kind in ("tp_col", "tp_row") and rank >= 2:
+    d = -1 if kind == "tp_col" else -2
+    return _split_codes(shape, sizes, [(n - 1, d)])
+  return (B,) * n
+
+
+SEEDS = ("dp", "fsdp", "tp_col", "tp_row", "replicated")
+
+
+# -------------------------------------------------------------------- plan
+class Plan:
+  """A sharding plan for one traced program on one mesh.
+
+  Attributes:
+    in_shardings / out_shardings: pytrees of ``NamedSharding`` shaped like the
+      arguments / results (``PartitionSpec`` leaves for an abstract mesh).
+    cost: the predicted :class:`PlanCost` per device per step.
+    search_seconds: wall time of the search.
+  """
+
+  def __init__(self, *, fn, mesh, mi: MeshInfo, cluster: Cluster,
+               traced: _Traced, graph: OpGraph, problem: Problem,
+               choice: Sequence[int], search: _search.SearchResult | None,
+               search_seconds: float):
+    self.fn, self.mesh, self.mesh_info, self.cluster = fn, mesh, mi, cluster
+    self._traced, self.graph, self.problem = traced, graph, problem
+    self.choice = list(choice)
+    self.search = search
+    self.search_seconds = search_seconds
+    self.cost = PlanCost.of(problem.evaluate(self.choice))
+    names = mi.axis_names
+    self.in_sbps = [NdSbp.from_codes(self._op_codes(o))
+                    for o in graph.input_ops]
+    self.out_sbps = [NdSbp.from_codes(self._op_codes(o))
+                     for o in graph.output_ops]
+    in_specs = [codes_to_spec(s.codes, len(a.shape), names)
+                for s, a in zip(self.in_sbps, traced.in_avals)]
+    out_specs = [codes_to_spec(s.codes, len(a.shape), names)
+                 for s, a in zip(self.out_sbps, traced.out_avals)]
+    self.in_specs = jax.tree_util.tree_unflatten(traced.in_tree, in_specs)
+    self.out_specs = jax.tree_util.tree_unflatten(traced.out_tree, out_specs)
+    self.in_shardings = self._shard_tree(self.in_specs, mesh)
+    self.out_shardings = self._shard_tree(self.out_specs, mesh)
+
+  def _op_codes(self, op: int) -> tuple[int, ...]:
+    return self.problem.cands[op][self.choice[op]][0]
+
+  @staticmethod
+  def _shard_tree(specs, mesh):
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+  # ---------------------------------------------------------------- lower
+  def _auto_mesh(self) -> Mesh:
+    if not isinstance(self.mesh, Mesh):
+      raise ValueError(
+          "this plan was made for an abstract mesh; Plan.jit() needs devices. "
+          "Re-plan with a concrete jax.sharding.Mesh (jax.make_mesh) of the "
+          f"same shape {dict(zip(self.mesh_info.axis_names, self.mesh_info.axis_sizes))}.")
+    # with_sharding_constraint needs Auto axes; the layout is the same.
+    return Mesh(self.mesh.devices, self.mesh.axis_names,
+                axis_types=(AxisType.Auto,) * len(self.mesh.axis_names))
+
+  def _pins(self, mesh: Mesh) -> _lower.Pins:
+    g, prob = self.graph, self.problem
+    produced: dict[int, tuple[int, ...]] = {}
+    for op in g.ops:
+      k = self.choice[op.id]
+      for s, t in enumerate(op.outs):
+        produced[t] = prob.cands[op.id][k][len(op.ins) + s]
+    splits = lambda c: c is not None and all(x >= B for x in c)  # noqa: E731
+    outputs, bodies = {}, {}
+    for (ctx, var), t in g.var_tensor.items():
+      codes = produced.get(t)
+      if not splits(codes):
+        continue
+      prod = g.ops[g.tensors[t].producer[0]]
+      if prod.kind == "eqn":
+        outputs[(ctx, var)] = codes
+      elif prod.kind == "link":
+        bodies[(ctx, var)] = codes
+    inputs = {}
+    for ctx, oid in g.eqn_op.items():
+      op = g.ops[oid]
+      k = self.choice[oid]
+      for s, t in enumerate(op.ins):
+        if t is None:
+          continue
+        want = prob.cands[oid][k][s]
+        if want != produced.get(t) and splits(want):
+          inputs[(ctx, s)] = want
+    return _lower.Pins(mesh, outputs, inputs, bodies)
+
+  def jit(self, **jit_kwargs) -> Any:
+    """The planned step as a ``jax.jit`` function (supports ``.lower``)."""
+    mesh = self._auto_mesh()
+    tr = self._traced
+    fn = _lower.planned_function(tr.closed, tr.in_tree, tr.out_tree,
+                                 self._pins(mesh))
+    return jax.jit(fn, in_shardings=self._shard_tree(self.in_specs, mesh),
+                   out_shardings=self._shard_tree(self.out_specs, mesh),
+                   **jit_kwargs)
+
+  # -------------------------------------------------------------- explain
+  def transitions(self) -> list[dict[str, Any]]:
+    """Every resharding the plan implies: tensor, from, to, bytes, time."""
+    prob, g = self.problem, self.graph
+    out = []
+    for e in prob.edges:
+      kp, kc = self.choice[e.prod], self.choice[e.cons]
+      t = float(prob.edge_pair(e, kp, kc))
+      if t <= 0:
+        continue
+      src = prob.cands[e.prod][kp][e.prod_slot]
+      dst = prob.cands[e.cons][kc][e.cons_slot]
+      out.append(dict(tensor=g.tensors[e.tensor].name,
+                      shape=g.tensors[e.tensor].aval.shape,
+                      src=nd_repr(src), dst=nd_repr(dst),
+                      collective=_collective_names(src, dst),
+                      weight=e.weight, time_s=t,
+                      bytes=float(prob.edge_pair(e, kp, kc, "bytes"))))
+    return out
+
+  def explain(self, max_rows: int = 40) -> str:
+    mi = self.mesh_info
+    lines = [f"autoddl_jax plan on mesh "
+             f"{dict(zip(mi.axis_names, mi.axis_sizes))} "
+             f"(links: {dict(zip(mi.axis_names, mi.link))})"]
+    c = self.cost
+    lines.append(
+        f"predicted per device per step: time {c.time_s * 1e3:.4g} ms = "
+        f"compute {c.compute_s * 1e3:.4g} ms + comm {c.comm_s * 1e3:.4g} ms; "
+        f"comm {_fmt_bytes(c.comm_bytes)}; peak memory "
+        f"{_fmt_bytes(c.memory_bytes)}")
+    if self.search is not None:
+      lines.append(f"search: best seed {self.search.seed!r}, "
+                   f"{self.search_seconds:.2f} s")
+    rows = [("argument", "shape", "nd-SBP", "PartitionSpec", "bytes/device")]
+    for name, a, s in zip(self._traced.in_names, self._traced.in_avals,
+                          self.in_sbps):
+      spec = codes_to_spec(s.codes, len(a.shape), mi.axis_names)
+      local = math.prod(a.shape) * _itemsize(a) / math.prod(
+          sz for cd, sz in zip(s.codes, mi.axis_sizes) if cd >= 0)
+      rows.append((name, str(tuple(a.shape)), repr(s), str(spec),
+                   _fmt_bytes(local)))
+    lines.append(_table(rows[:max_rows + 1]))
+    if len(rows) > max_rows + 1:
+      lines.append(f"... {len(rows) - max_rows - 1} more arguments")
+    tr = sorted(self.transitions(), key=lambda r: -r["time_s"])
+    if tr:
+      rows = [("tensor", "shape", "from", "to", "collective", "x", "bytes",
+               "time")]
+      for r in tr[:max_rows]:
+        rows.append((r["tensor"], str(r["shape"]), r["src"], r["dst"],
+                     r["collective"], f"{r['weight']:g}",
+                     _fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:.3g} us"))
+      lines.append(_table(rows))
+      if len(tr) > max_rows:
+        lines.append(f"... {len(tr) - max_rows} more transitions")
+    if self.graph.unsupported:
+      lines.append("replicated (no rule): " + ", ".join(
+          f"{k} x{v}" for k, v in sorted(self.graph.unsupported.items())))
+    return "\n".join(lines)
+
+  def __repr__(self) -> str:
+    c = self.cost
+    return (f"Plan(time_s={c.time_s:.4g}, comm_bytes={c.comm_bytes:.4g}, "
+            f"memory_bytes={c.memory_bytes:.4g})")
+
+
+def _itemsize(a) -> int:
+  try:
+    return np.dtype(a.dtype).itemsize
+  except TypeError:
+    return 4
+
+
+def _collective_names(src, dst) -> str:
+  names = []
+  for s, d in zip(src, dst):
+    if s != d:
+      _, _, n = one_axis(s, d, 1.0, 2, 0.0, 1.0)
+      if n is None and s >= 0 and d == -2:
+        n = "all-gather"
+      if n:
+        names.append(n)
+  return "+".join(names) or "local"
+
+
+def _fmt_bytes(b: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(b) < 1024 or unit == "TiB":
+      return f"{b:.3g} {unit}"
+    b /= 1024
+  return f"{b:.3g}"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa
+  return "\n".join([fmt(rows[0]), fmt(["-" * w for w in widths])] +
+                   [fmt(r) for r in rows[1:]])
+
+
+# --------------------------------------------------------------- building
+def _setup(fn, args, mesh, cluster):
+  cluster = H100_NODE if cluster is None else cluster
+  if not isinstance(cluster, Cluster):
+    raise TypeError(f"cluster must be an autoddl_jax.Cluster, got "
+                    f"{type(cluster).__name__}")
+  mi = mesh_info(mesh, cluster)
+  tr = _trace(fn, args)
+  graph = build_graph(tr.closed, tr.in_names, tr.out_names, tr.splittable)
+  out_to_in, tie_groups = _state_ties(tr)
+  groups = []
+  in_grouped = set()
+  for g in tie_groups:
+    ops = [graph.input_ops[i] for i in g]
+    ops += [graph.output_ops[j] for j, i in out_to_in.items() if i in g]
+    groups.append(ops)
+    in_grouped.update(g)
+  for j, i in out_to_in.items():
+    if i not in in_grouped:
+      groups.append([graph.input_ops[i], graph.output_ops[j]])
+  prob = Problem(graph, mi, cluster, groups)
+  state = set(out_to_in.values())
+  return cluster, mi, tr, graph, prob, state
+
+
+def _pins_for(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
+              codes_of: Callable[[int], tuple[int, ...] | None]
+              ) -> dict[int, int]:
+  pins = {}
+  for i, o in enumerate(graph.input_ops):
+    codes = codes_of(i)
+    if codes is None:
+      continue
+    k = prob.find_candidate(o, codes)
+    if k is not None:
+      pins[o] = k
+  return pins
+
+
+def _user_codes(tr: _Traced, mi: MeshInfo):
+  def codes(i):
+    s = tr.shardings[i]
+    if isinstance(s, NamedSharding) and tuple(s.mesh.axis_names) == \
+        mi.axis_names:
+      try:
+        return spec_to_codes(s.spec, len(tr.in_avals[i].shape), mi.axis_names)
+      except ValueError:
+        return None
+    return None
+  return codes
+
+
+def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
+         cluster: Cluster | None = None, memory_budget: float | None = None,
+         verbose: bool = False) -> Plan:
+  """Finds a sharding plan for ``fn(*args)`` on ``mesh``.
+
+  Args:
+    fn: the step function (e.g. a train step: forward, backward, update).
+    *args: example arguments: arrays or ``jax.ShapeDtypeStruct``s (only shapes
+      and dtypes are used; placed arrays also seed the search with their
+      shardings).
+    mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes) or an
+      ``AbstractMesh`` for planning without devices.
+    cluster: the hardware to cost for; defaults to an H100 node preset.
+    memory_budget: bytes per device the plan's peak memory must fit in.
+    verbose: print one line per seed and sweep.
+
+  Returns:
+    A :class:`Plan`.
+  """
+  t0 = time.perf_counter()
+  cluster, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster)
+  if memory_budget is not None and not memory_budget > 0:
+    raise ValueError(f"memory_budget must be a positive number of bytes, got "
+                     f"{memory_budget!r}")
+  seeds = {}
+  for kind in SEEDS:
+    seeds[kind] = _pins_for(prob, graph, tr, mi, lambda i, kind=kind: (
+        _seed_codes(kind, tr.in_avals[i].shape, mi.axis_sizes, i in state)
+        if tr.splittable[i] else None))
+  if any(s is not None for s in tr.shardings):
+    user = _pins_for(prob, graph, tr, mi, _user_codes(tr, mi))
+    if user:
+      seeds = {"user": user, **seeds}
+  progress = None
+  if verbose:
+    progress = lambda seed, sweep, obj: print(  # noqa: E731
+        f"[autoddl_jax] seed {seed:>10}  sweep {sweep:>3}  cost "
+        f"{obj * 1e3:.6g} ms", flush=True)
+  res = _search.coordinate_descent(prob, seeds, progress=progress)
+  choice = res.choice
+  if memory_budget is not None:
+    choice, res = _fit_budget(prob, seeds, res, float(memory_budget), progress)
+  return Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
+              problem=prob, choice=choice, search=res,
+              search_seconds=time.perf_counter() - t0)
+
+
+def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
+  peak = prob.peak_memory(res.choice)
+  if peak <= budget:
+    return res.choice, res
+  best_fit, smallest = None, (peak, res)
+  scale = max(res.objective, 1e-30) / max(peak, 1.0)
+  for k in range(12):
+    lam = scale * 4.0 ** k
+    r = _search.coordinate_descent(prob, seeds, mem_weight=lam,
+                                   progress=progress)
+    peak = prob.peak_memory(r.choice)
+    if peak < smallest[0]:
+      smallest = (peak, r)
+    if peak <= budget:
+      best_fit = r
+      break
+  if best_fit is None:
+    peak, r = smallest
+    big = ", ".join(f"{name} {shape} {_fmt_bytes(b)}"
+                    for b, name, shape in prob.largest_tensors(r.choice))
+    raise MemoryBudgetError(
+        f"no plan fits memory_budget={_fmt_bytes(budget)} per device: the "
+        f"smallest plan found needs {_fmt_bytes(peak)}. Largest tensors per "
+        f"device in it: {big}. Use more devices, a smaller batch, remat, or a "
+        "larger budget.")
+  ev = prob.evaluate(best_fit.choice)
+  best_fit.objective = ev.time_s
+  return best_fit.choice, best_fit
+
+
+def _to_codes(s, aval, mi: MeshInfo, where: str) -> tuple[int, ...]:
+  rank = len(aval.shape)
+  if s is None:
+    return (B,) * mi.ndim
+  if isinstance(s, NamedSharding):
+    if tuple(s.mesh.axis_names) != mi.axis_names:
+      raise ValueError(f"{where}: sharding's mesh axes "
+                       f"{tuple(s.mesh.axis_names)} differ from the plan's "
+                       f"mesh axes {mi.axis_names}")
+    s = s.spec
+  if not isinstance(s, PartitionSpec):
+    raise TypeError(f"{where}: expected a NamedSharding, PartitionSpec or "
+                    f"None, got {type(s).__name__}")
+  codes = spec_to_codes(s, rank, mi.axis_names)
+  for d in range(rank):
+    k = math.prod(sz for c, sz in zip(codes, mi.axis_sizes) if c == d)
+    if aval.shape[d] % k:
+      raise ValueError(f"{where}: {s} splits dim {d} of size {aval.shape[d]} "
+                       f"{k} ways, which does not divide it")
+  return codes
+
+
+def _flat_shardings(tree, target_tree, n: int, what: str) -> list:
+  if tree is None:
+    return [None] * n
+  is_leaf = lambda x: x is None or isinstance(  # noqa: E731
+      x, NamedSharding | PartitionSpec)
+  leaves, t = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+  if len(leaves) == 1 and n != 1 and t.num_nodes == 1:
+    return leaves * n
+  try:
+    return target_tree.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{what} must be one sharding or a pytree shaped like "
+                     f"the {'arguments' if 'in' in what else 'results'}: "
+                     f"{e}") from e
+
+
+def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
+              out_shardings=None, cluster: Cluster | None = None) -> Plan:
+  """A Plan whose arguments (and results) follow the given shardings.
+
+  The intermediates get the cheapest layout under the cost model given that
+  boundary, which is what XLA's sharding propagation aims at too.
+  """
+  t0 = time.perf_counter()
+  cluster, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster)
+  ins = _flat_shardings(in_shardings, tr.in_tree, len(tr.in_avals),
+                        "in_shardings")
+  pins = {}
+  for i, (s, a) in enumerate(zip(ins, tr.in_avals)):
+    codes = _to_codes(s, a, mi, f"in_shardings for {tr.in_names[i]}")
+    k = prob.find_candidate(graph.input_ops[i], codes)
+    if k is None:
+      raise ValueError(f"in_shardings for {tr.in_names[i]}: {s} cannot be "
+                       "used for this argument")
+    pins[graph.input_ops[i]] = k
+  fixed = list(pins)
+  if out_shardings is not None:
+    outs = _flat_shardings(out_shardings, tr.out_tree, len(tr.out_avals),
+                           "out_shardings")
+    for j, (s, a) in enumerate(zip(outs, tr.out_avals)):
+      codes = _to_codes(s, a, mi, f"out_shardings for {tr.out_names[j]}")
+      o = graph.output_ops[j]
+      k = prob.find_candidate(o, codes)
+      grp = prob.groups[prob.group_of[o]]
+      clash = [m for m in grp if m in pins and pins[m] != k]
+      if k is None or clash:
+        # The result is laid out differently from the argument it updates:
+        # score it untied.
+        prob = _untie(prob, o)
+      pins[o] = prob.find_candidate(o, codes)
+      fixed.append(o)
+  res = _search.coordinate_descent(prob, {"hand": pins}, fixed_ops=fixed)
+  return Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
+              problem=prob, choice=res.choice, search=res,
+              search_seconds=time.perf_counter() - t0)
+
+
+def _untie(prob: Problem, op: int) -> Problem:
+  groups = [[o for o in g if o != op] for g in prob.groups if len(g) > 1]
+  return Problem(prob.graph, prob.mi, prob.cluster, groups)
+
+
+def cost_of(fn: Callable, *args: Any, mesh, in_shardings, out_shardings=None,
+            cluster: Cluster | None = None) -> PlanCost:
+  """Scores a hand-written plan on the same cost model as :func:`plan`.
+
+  Args:
+    in_shardings: one sharding or a pytree shaped like ``args`` of
+      ``NamedSharding``/``PartitionSpec``/None (None = replicated).
+    out_shardings: likewise for the results; None leaves them to the model.
+  """
+  return hand_plan(fn, *args, mesh=mesh, in_shardings=in_shardings,
+                   out_shardings=out_shardings, cluster=cluster).cost

@@ -1,0 +1,169 @@
+"""The analytical cost model: communication, compute and memory of a plan.
+
+Per mesh axis ``a`` of size ``p`` with latency ``alpha`` and bandwidth ``beta``
+(bytes/s per device), for a tensor of ``n`` bytes within one device group (its
+logical size divided by the sizes of the *other* axes on which it is split):
+
+=================  ===============  =========================================
+transition on a    collective       time
+=================  ===============  =========================================
+same               none             0
+B -> S, B -> P     local            0
+S -> B             all-gather       alpha (p-1) + (p-1)/p   * n/beta
+P -> S             reduce-scatter   alpha (p-1) + (p-1)/p   * n/beta
+P -> B             all-reduce       2 alpha (p-1) + 2 (p-1)/p * n/beta
+S(i) -> S(j)       all-to-all       alpha (p-1) + (p-1)/p^2 * n/beta
+S -> P             all-gather       (as S -> B, then local)
+=================  ===============  =========================================
+
+Bytes are ring-model bytes *sent per device*. When two nd-SBPs differ on
+several axes, the cost is the cheapest order of one-axis steps.
+
+Compute is the op's FLOPs divided by the product of the sizes of the axes on
+which its signature splits something (a replicated or partial-only op does the
+whole work on every device), over ``peak_flops * flops_efficiency``.
+
+Memory is per device: each tensor's bytes over the axes that split it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from autoddl_jax._cluster import MeshInfo
+from autoddl_jax._sbp import B_CODE as B, P_CODE as P
+
+INF = float("inf")
+
+
+def one_axis(src: int, dst: int, n: float, p: int, alpha: float,
+             beta: float) -> tuple[float, float, str | None]:
+  """(time s, bytes sent per device, collective) of one 1-D transition."""
+  if src == dst or p == 1:
+    return 0.0, 0.0, None
+  if src == B:
+    return 0.0, 0.0, None  # B->S slices, B->P zeroes all but one addend
+  frac = (p - 1) / p
+  if src == P:
+    if dst == B:
+      return 2 * alpha * (p - 1) + 2 * frac * n / beta, 2 * frac * n, \
+          "all-reduce"
+    return alpha * (p - 1) + frac * n / beta, frac * n, "reduce-scatter"
+  # src is S(i)
+  if dst >= 0:
+    return alpha * (p - 1) + frac / p * n / beta, frac / p * n, "all-to-all"
+  return alpha * (p - 1) + frac * n / beta, frac * n, "all-gather"
+
+
+def valid_states(shape: Sequence[int], sizes: Sequence[int],
+                 allow_p: bool = True) -> list[tuple[int, ...]]:
+  """All nd-SBPs of a tensor whose splits divide its dims."""
+  rank = len(shape)
+  per_axis = []
+  for s in sizes:
+    opts = [B] + ([P] if allow_p else []) + (list(range(rank)) if s > 1 else [])
+    if s == 1:
+      opts = [B]
+    per_axis.append(opts)
+  out = []
+  for codes in itertools.product(*per_axis):
+    if splits_divide(codes, shape, sizes):
+      out.append(codes)
+  return out
+
+
+def splits_divide(codes: Sequence[int], shape: Sequence[int],
+                  sizes: Sequence[int]) -> bool:
+  div = [1] * len(shape)
+  for c, s in zip(codes, sizes):
+    if c >= 0:
+      if c >= len(shape):
+        return False
+      div[c] *= s
+  return all(d % k == 0 for d, k in zip(shape, div))
+
+
+def split_factor(codes: Sequence[int], sizes: Sequence[int]) -> int:
+  return math.prod(s for c, s in zip(codes, sizes) if c >= 0)
+
+
+def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo):
+  cur = list(src)
+  t = b = 0.0
+  for a in order:
+    other = math.prod(s for i, (c, s) in enumerate(zip(cur, mi.axis_sizes))
+                      if i != a and c >= 0)
+    dt, db, _ = one_axis(cur[a], dst[a], nbytes / other, mi.axis_sizes[a],
+                         mi.alpha[a], mi.beta[a])
+    if cur[a] >= 0 and dst[a] == P:  # S -> P goes through B
+      dt, db, _ = one_axis(cur[a], B, nbytes / other, mi.axis_sizes[a],
+                           mi.alpha[a], mi.beta[a])
+    cur[a] = dst[a]
+    if not splits_divide(cur, shape, mi.axis_sizes):
+      return INF, INF
+    t += dt
+    b += db
+  return t, b
+
+
+def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
+               shape: tuple[int, ...], mi: MeshInfo) -> tuple[float, float]:
+  """(time, bytes per device) of the cheapest one-axis-at-a-time path."""
+  diff = [a for a in range(len(src)) if src[a] != dst[a]]
+  if not diff:
+    return 0.0, 0.0
+  best = (INF, INF)
+  for order in itertools.permutations(diff):
+    c = _path_cost(src, dst, order, nbytes, shape, mi)
+    if c[0] < best[0]:
+      best = c
+  return best
+
+
+class StateSpace:
+  """The valid nd-SBPs of one tensor type and the transition costs among them."""
+
+  def __init__(self, shape: tuple[int, ...], itemsize: int, mi: MeshInfo):
+    self.shape = shape
+    self.nbytes = math.prod(shape) * itemsize
+    self.states = valid_states(shape, mi.axis_sizes)
+    self.index = {s: i for i, s in enumerate(self.states)}
+    self.local_bytes = np.array(
+        [self.nbytes / split_factor(s, mi.axis_sizes) for s in self.states])
+    self._mi = mi
+    self._time: np.ndarray | None = None
+    self._bytes: np.ndarray | None = None
+
+  def _build(self):
+    n = len(self.states)
+    t = np.zeros((n, n))
+    b = np.zeros((n, n))
+    for i, s in enumerate(self.states):
+      for j, d in enumerate(self.states):
+        if i != j:
+          t[i, j], b[i, j] = transition(s, d, self.nbytes, self.shape,
+                                        self._mi)
+    self._time, self._bytes = t, b
+
+  @property
+  def time(self) -> np.ndarray:
+    if self._time is None:
+      self._build()
+    return self._time
+
+  @property
+  def bytes(self) -> np.ndarray:
+    if self._bytes is None:
+      self._build()
+    return self._bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def state_space(shape: tuple[int, ...], itemsize: int,
+                mi: MeshInfo) -> StateSpace:
+  return StateSpace(shape, itemsize, mi)

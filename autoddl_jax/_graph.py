@@ -1,0 +1,394 @@
+"""From a traced program to the op graph the planner searches over.
+
+``jax.make_jaxpr`` gives a ClosedJaxpr. We walk its equations and produce a flat
+:class:`OpGraph`:
+
+* nested ``jit``, ``custom_jvp_call``, ``custom_vjp_call`` and ``remat2`` are
+  opened (their equations join the graph);
+* ``scan``, ``cond`` and ``while`` keep their bodies as sub-graphs walked once,
+  joined to the outer graph by *link* ops (slice of the stacked ``xs``, the
+  loop-carried merge, the stacked ``ys``), and every op of a body carries the
+  trip count as its ``weight`` -- so layers in a scan are decided once and cost
+  does not grow with depth;
+* the program's arguments become ``input`` ops and its results ``output`` ops.
+
+Every op gets its 1-D signature list from ``_rules`` (or all-B with a warning).
+The graph also remembers which tensor each jaxpr variable became, per call
+context, so the lowering can put the plan back onto the very same variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import jax
+from jax.extend import core as jcore
+
+from autoddl_jax import _rules
+from autoddl_jax._rules import Aval, Sig
+from autoddl_jax._sbp import B_CODE as B, P_CODE as P
+
+INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+          "custom_vjp_call", "custom_vjp_call_jaxpr", "remat2", "checkpoint",
+          "custom_lin"}
+INLINE_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+ELEMENTWISE_FLOP = set(_rules.UNARY) | set(_rules.BINARY) | {
+    "add", "sub", "mul", "div", "add_any", "neg", "select_n", "clamp",
+    "logistic", "erf"}
+
+
+class UnsupportedPrimitiveWarning(UserWarning):
+  """An op with no signature rule: it runs replicated (correct, not fast)."""
+
+
+@dataclasses.dataclass
+class Tensor:
+  id: int
+  aval: Aval
+  name: str
+  producer: tuple[int, int] | None = None  # (op id, output slot)
+  consumers: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.aval.shape) * self.aval.dtype.itemsize
+
+
+@dataclasses.dataclass
+class Op:
+  id: int
+  prim: str
+  kind: str  # "eqn" | "input" | "output" | "const" | "link"
+  ins: list[int | None]  # tensor ids; None for a literal operand
+  in_avals: list[Aval]
+  outs: list[int]
+  sigs: list[Sig]  # 1-D signatures
+  weight: float = 1.0  # executions per step (trip counts multiplied)
+  in_weights: list[float] = dataclasses.field(default_factory=list)
+  flops: float = 0.0
+  name: str = ""
+  leaf: int | None = None  # flat leaf index, for input/output ops
+
+  def __post_init__(self):
+    if not self.in_weights:
+      self.in_weights = [self.weight] * len(self.ins)
+
+
+@dataclasses.dataclass
+class OpGraph:
+  tensors: list[Tensor]
+  ops: list[Op]
+  # (call context, jaxpr var) -> tensor id; a context is a tuple of eqn indices.
+  var_tensor: dict[tuple[tuple, Any], int]
+  input_ops: list[int]  # one per flat argument leaf
+  output_ops: list[int]  # one per flat result leaf
+  unsupported: dict[str, int]  # primitive -> number of fallback ops
+  eqn_op: dict[tuple, int]  # call context + eqn index -> op id
+
+
+def _aval(a) -> Aval:
+  dtype = a.dtype
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:  # extended dtypes (PRNG keys) have no numpy dtype
+    dtype = np.dtype(np.uint32)
+  return Aval(tuple(int(d) for d in a.shape), dtype)
+
+
+def _sub_jaxpr(params: dict) -> tuple[Any, list]:
+  for key in INLINE_JAXPR_PARAMS:
+    if key in params:
+      j = params[key]
+      if isinstance(j, jcore.ClosedJaxpr):
+        return j.jaxpr, list(j.consts)
+      return j, []
+  raise KeyError(f"no sub-jaxpr among {sorted(params)}")
+
+
+def _closed(j) -> tuple[Any, list]:
+  if isinstance(j, jcore.ClosedJaxpr):
+    return j.jaxpr, list(j.consts)
+  return j, []
+
+
+def eqn_flops(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],
+              params: dict) -> float:
+  """FLOPs of one equation (multiply-add = 2)."""
+  if prim == "dot_general":
+    (lc, _), _ = params["dimension_numbers"]
+    k = math.prod(ins[0].shape[d] for d in lc)
+    return 2.0 * math.prod(outs[0].shape) * k
+  if prim == "conv_general_dilated":
+    rhs = ins[1]
+    o = rhs.shape[params["dimension_numbers"].rhs_spec[0]]
+    return 2.0 * math.prod(outs[0].shape) * math.prod(rhs.shape) / max(o, 1)
+  if prim in ELEMENTWISE_FLOP:
+    return float(sum(math.prod(o.shape) for o in outs))
+  if prim.startswith("reduce") or prim.startswith("cum") or prim in (
+      "argmax", "argmin", "select_and_scatter_add"):
+    return float(math.prod(ins[0].shape))
+  return 0.0
+
+
+class _Builder:
+
+  def __init__(self):
+    self.tensors: list[Tensor] = []
+    self.ops: list[Op] = []
+    self.var_tensor: dict = {}
+    self.unsupported: dict[str, int] = {}
+    self.eqn_op: dict[tuple, int] = {}
+
+  def tensor(self, aval: Aval, name: str) -> int:
+    t = Tensor(len(self.tensors), aval, name)
+    self.tensors.append(t)
+    return t.id
+
+  def op(self, prim, kind, ins, in_avals, out_avals, sigs, weight=1.0,
+         in_weights=None, flops=0.0, name="", leaf=None, outs=None) -> Op:
+    oid = len(self.ops)
+    if outs is None:
+      outs = [self.tensor(a, name or prim) for a in out_avals]
+    o = Op(oid, prim, kind, list(ins), list(in_avals), outs, sigs, weight,
+           list(in_weights or []), flops, name or prim, leaf)
+    self.ops.append(o)
+    for slot, t in enumerate(outs):
+      self.tensors[t].producer = (oid, slot)
+    for slot, t in enumerate(ins):
+      if t is not None:
+        self.tensors[t].consumers.append((oid, slot))
+    return o
+
+  def add_input(self, t: int, slot_op: Op, slot: int):
+    slot_op.ins[slot] = t
+    self.tensors[t].consumers.append((slot_op.id, slot))
+
+  # --------------------------------------------------------------- sources
+  def const(self, value, weight) -> int:
+    aval = _aval(value if hasattr(value, "shape") else np.asarray(value))
+    return self.op("const", "const", [], [], [aval], [((), (B,))],
+                   weight).outs[0]
+
+  def link(self, prim, t_in, out_aval, in_weight, weight, sigs=None) -> int:
+    a = self.tensors[t_in].aval
+    sigs = sigs or _identity_sigs(a.rank)
+    return self.op(prim, "link", [t_in], [a], [out_aval], sigs, weight,
+                   [in_weight]).outs[0]
+
+  # ------------------------------------------------------------------ walk
+  def walk(self, jaxpr, consts: list[int], args: list[int], ctx: tuple,
+           weight: float) -> list[int]:
+    env: dict[Any, int] = {}
+    for v, t in zip(jaxpr.constvars, consts):
+      env[v] = t
+      self.var_tensor[(ctx, v)] = t
+    for v, t in zip(jaxpr.invars, args):
+      env[v] = t
+      self.var_tensor[(ctx, v)] = t
+
+    def read(v) -> int | None:
+      return None if isinstance(v, jcore.Literal) else env[v]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+      name = eqn.primitive.name
+      ins = [read(v) for v in eqn.invars]
+      sub_ctx = ctx + (i,)
+      if name in INLINE:
+        sub, sub_consts = _sub_jaxpr(eqn.params)
+        cts = [self.const(c, weight) for c in sub_consts]
+        ins = [t if t is not None else self.const(v.val, weight)
+               for t, v in zip(ins, eqn.invars)]
+        outs = self.walk(sub, cts, ins[len(ins) - len(sub.invars):], sub_ctx,
+                         weight)
+      elif name == "scan":
+        outs = self.scan(eqn, ins, sub_ctx, weight)
+      elif name == "cond":
+        outs = self.cond(eqn, ins, sub_ctx, weight)
+      elif name == "while":
+        outs = self.while_(eqn, ins, sub_ctx, weight)
+      else:
+        op = self.eqn(eqn, ins, weight)
+        self.eqn_op[sub_ctx] = op.id
+        outs = op.outs
+      for v, t in zip(eqn.outvars, outs):
+        if t is None:  # a literal came out of a sub-jaxpr
+          t = self.const(np.zeros(v.aval.shape, v.aval.dtype), weight)
+        if not isinstance(v, jcore.DropVar):
+          env[v] = t
+          self.var_tensor[(ctx, v)] = t
+    return [read(v) if not isinstance(v, jcore.Literal) else None
+            for v in jaxpr.outvars]
+
+  def eqn(self, eqn, ins, weight) -> Op:
+    name = eqn.primitive.name
+    in_avals = [_aval(v.aval) for v in eqn.invars]
+    out_avals = [_aval(v.aval) for v in eqn.outvars]
+    sigs = None
+    if not any(isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))
+               for p in eqn.params.values()) or name in ("scatter-add",
+                                                         "scatter_add",
+                                                         "reduce_window",
+                                                         "sort"):
+      try:
+        sigs = _rules.signatures(name, in_avals, out_avals, eqn.params)
+      except (KeyError, AttributeError, TypeError, IndexError, ValueError):
+        sigs = None
+    if sigs is None:
+      self.unsupported[name] = self.unsupported.get(name, 0) + 1
+      sigs = [(tuple(B for _ in in_avals), tuple(B for _ in out_avals))]
+    return self.op(name, "eqn", ins, in_avals, out_avals, sigs, weight,
+                   flops=eqn_flops(name, in_avals, out_avals, eqn.params))
+
+  def scan(self, eqn, ins, ctx, weight) -> list[int]:
+    p = eqn.params
+    body, body_consts = _closed(p["jaxpr"])
+    nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
+    inner_w = weight * length
+    ins = [t if t is not None else self.const(v.val, weight)
+           for t, v in zip(ins, eqn.invars)]
+    const_in = [self.link("~link", t, self.tensors[t].aval, weight, weight)
+                for t in ins[:nc]]
+    merges = []
+    for t in ins[nc:nc + ncar]:
+      a = self.tensors[t].aval
+      merges.append(self.op("~merge", "link", [t, None], [a, a], [a],
+                            _identity_sigs(a.rank, 2), inner_w,
+                            [weight, inner_w]))
+    xs_in = []
+    for t in ins[nc + ncar:]:
+      a = self.tensors[t].aval
+      inner = Aval(a.shape[1:], a.dtype)
+      xs_in.append(self.link("~scan_xs", t, inner, weight, weight,
+                             _slice_sigs(inner.rank)))
+    cts = [self.const(c, inner_w) for c in body_consts]
+    outs = self.walk(body, cts,
+                     const_in + [m.outs[0] for m in merges] + xs_in, ctx,
+                     inner_w)
+    outs = [t if t is not None else self.const(
+        np.zeros(v.aval.shape, v.aval.dtype), inner_w)
+            for t, v in zip(outs, body.outvars)]
+    results = []
+    for m, t in zip(merges, outs[:ncar]):
+      self.add_input(t, m, 1)
+      results.append(self.link("~link", t, self.tensors[t].aval, weight,
+                               weight))
+    for t in outs[ncar:]:
+      a = self.tensors[t].aval
+      outer = Aval((length, *a.shape), a.dtype)
+      results.append(self.link("~scan_ys", t, outer, inner_w, weight,
+                               _stack_sigs(a.rank)))
+    return results
+
+  def cond(self, eqn, ins, ctx, weight) -> list[int]:
+    branches = eqn.params["branches"]
+    nb = len(branches)
+    w = weight / nb
+    ops_in = [t if t is not None else self.const(v.val, weight)
+              for t, v in zip(ins[1:], eqn.invars[1:])]
+    merges = [self.op("~merge", "link", [None] * nb, [_aval(v.aval)] * nb,
+                      [_aval(v.aval)], _identity_sigs(len(v.aval.shape), nb),
+                      weight, [w] * nb) for v in eqn.outvars]
+    for b, br in enumerate(branches):
+      jx, consts = _closed(br)
+      args = [self.link("~link", t, self.tensors[t].aval, w, w) for t in ops_in]
+      cts = [self.const(c, w) for c in consts]
+      outs = self.walk(jx, cts, args, ctx + (b,), w)
+      for m, t, v in zip(merges, outs, jx.outvars):
+        if t is None:
+          t = self.const(np.zeros(v.aval.shape, v.aval.dtype), w)
+        self.add_input(t, m, b)
+    return [m.outs[0] for m in merges]
+
+  def while_(self, eqn, ins, ctx, weight) -> list[int]:
+    # The trip count is unknown before running: the body is costed once.
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    ins = [t if t is not None else self.const(v.val, weight)
+           for t, v in zip(ins, eqn.invars)]
+    cond_c = [self.link("~link", t, self.tensors[t].aval, weight, weight)
+              for t in ins[:cn]]
+    body_c = [self.link("~link", t, self.tensors[t].aval, weight, weight)
+              for t in ins[cn:cn + bn]]
+    merges = []
+    for t in ins[cn + bn:]:
+      a = self.tensors[t].aval
+      merges.append(self.op("~merge", "link", [t, None], [a, a], [a],
+                            _identity_sigs(a.rank, 2), weight,
+                            [weight, weight]))
+    carry = [m.outs[0] for m in merges]
+    cj, cconsts = _closed(p["cond_jaxpr"])
+    self.walk(cj, [self.const(c, weight) for c in cconsts], cond_c + carry,
+              ctx + ("cond",), weight)
+    bj, bconsts = _closed(p["body_jaxpr"])
+    outs = self.walk(bj, [self.const(c, weight) for c in bconsts],
+                     body_c + carry, ctx + ("body",), weight)
+    for m, t, v in zip(merges, outs, bj.outvars):
+      if t is None:
+        t = self.const(np.zeros(v.aval.shape, v.aval.dtype), weight)
+      self.add_input(t, m, 1)
+    return [self.link("~link", c, self.tensors[c].aval, weight, weight)
+            for c in carry]
+
+
+def _identity_sigs(rank: int, n_in: int = 1) -> list[Sig]:
+  sigs = [((B,) * n_in, (B,)), ((P,) * n_in, (P,))]
+  sigs += [((d,) * n_in, (d,)) for d in range(rank)]
+  return sigs
+
+
+def _slice_sigs(inner_rank: int) -> list[Sig]:
+  """Stacked xs [L, ...] -> one slice [...]: the layer dim never splits."""
+  return [((B,), (B,)), ((P,), (P,))] + [((d + 1,), (d,))
+                                          for d in range(inner_rank)]
+
+
+def _stack_sigs(inner_rank: int) -> list[Sig]:
+  return [((B,), (B,)), ((P,), (P,))] + [((d,), (d + 1,))
+                                          for d in range(inner_rank)]
+
+
+def _source_sigs(aval: Aval, allow_split: bool) -> list[Sig]:
+  sigs = [((), (B,))]
+  if allow_split:
+    sigs += [((), (d,)) for d in range(aval.rank)]
+  return sigs
+
+
+def build_graph(closed_jaxpr, in_names: Sequence[str],
+                out_names: Sequence[str],
+                splittable_in: Sequence[bool] | None = None) -> OpGraph:
+  """Walks a ClosedJaxpr into an OpGraph (see module docstring)."""
+  bld = _Builder()
+  jaxpr = closed_jaxpr.jaxpr
+  consts = [bld.const(c, 1.0) for c in closed_jaxpr.consts]
+  input_ops = []
+  for i, v in enumerate(jaxpr.invars):
+    a = _aval(v.aval)
+    split = splittable_in[i] if splittable_in is not None else True
+    o = bld.op("input", "input", [], [], [a], _source_sigs(a, split),
+               name=in_names[i], leaf=i)
+    input_ops.append(o.id)
+  outs = bld.walk(jaxpr, consts, [bld.ops[i].outs[0] for i in input_ops], (),
+                  1.0)
+  output_ops = []
+  for i, (t, v) in enumerate(zip(outs, jaxpr.outvars)):
+    a = _aval(v.aval)
+    if t is None:
+      t = bld.const(np.zeros(a.shape, a.dtype), 1.0)
+    sigs = [((s,), ()) for (_, (s,)) in _source_sigs(a, True)]
+    o = bld.op("output", "output", [t], [a], [], sigs, name=out_names[i],
+               leaf=i)
+    output_ops.append(o.id)
+  for name, n in sorted(bld.unsupported.items()):
+    warnings.warn(
+        f"autoddl_jax has no sharding rule for primitive {name!r} ({n} "
+        f"use{'s' if n > 1 else ''}); it runs replicated there (correct, "
+        "not fast). Please report it.", UnsupportedPrimitiveWarning,
+        stacklevel=3)
+  return OpGraph(bld.tensors, bld.ops, bld.var_tensor, input_ops, output_ops,
+                 dict(bld.unsupported), bld.eqn_op)

@@ -1,0 +1,170 @@
+"""Lowering a plan to ``jax.jit``: in/out shardings plus sharding constraints.
+
+The plan fixes an nd-SBP for every tensor. Arguments and results become the
+``in_shardings``/``out_shardings`` of ``jax.jit``. Inside, we re-interpret the
+traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
+
+* each op's output to the nd-SBP its chosen signature produces (skipped for
+  ``P``: partial sums cannot be pinned on Auto axes, and XLA keeps them
+  implicit until the consumer forces the reduction), and
+* each op's input, where the plan says that consumer needs a different layout
+  than its producer made (this is where the plan's collectives happen).
+
+Scan, cond and while bodies are rebuilt with ``lax.scan``/``lax.switch``/
+``lax.while_loop`` around the same interpreter, so the layers in a scan are
+pinned once for every iteration; remat keeps its policy through
+``jax.checkpoint``. XLA's SPMD partitioner then emits the collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+from jax.extend import core as jcore
+from jax.sharding import Mesh, NamedSharding
+
+from autoddl_jax._graph import INLINE, _closed, _sub_jaxpr
+from autoddl_jax._sbp import codes_to_spec
+
+Codes = tuple[int, ...]
+
+
+class Pins:
+  """Where to put constraints: var outputs and per-eqn inputs."""
+
+  def __init__(self, mesh: Mesh, outputs: Mapping[tuple, Codes],
+               inputs: Mapping[tuple, Codes], bodies: Mapping[tuple, Codes]):
+    self.mesh = mesh
+    self.outputs = outputs  # (ctx, var) -> codes
+    self.inputs = inputs  # (ctx + (eqn index,), operand position) -> codes
+    self.bodies = bodies  # (ctx, invar) of a loop/branch body -> codes
+
+  def constrain(self, x, codes: Codes | None):
+    if codes is None or not hasattr(x, "shape"):
+      return x
+    spec = codes_to_spec(codes, len(x.shape), self.mesh.axis_names)
+    return lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
+              pins: Pins, pin_invars: bool = False) -> list[Any]:
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = pins.constrain(a, pins.bodies.get((ctx, v))) if pin_invars else a
+  for i, eqn in enumerate(jaxpr.eqns):
+    sub = ctx + (i,)
+    invals = [read(v) for v in eqn.invars]
+    invals = [pins.constrain(x, pins.inputs.get((sub, j)))
+              for j, x in enumerate(invals)]
+    name = eqn.primitive.name
+    if name in INLINE:
+      outs = _inline(eqn, invals, sub, pins)
+    elif name == "scan":
+      outs = _scan(eqn, invals, sub, pins)
+    elif name == "cond":
+      outs = _cond(eqn, invals, sub, pins)
+    elif name == "while":
+      outs = _while(eqn, invals, sub, pins)
+    else:
+      outs = _bind(eqn, invals)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, jcore.DropVar):
+        env[v] = pins.constrain(x, pins.outputs.get((ctx, v)))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn, invals):
+  bp = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(bp, tuple):  # older jax: (subfuns, params)
+    subfuns, bp = bp
+  else:
+    subfuns = []
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if ctx is None:
+    return eqn.primitive.bind(*subfuns, *invals, **bp)
+  with ctx:
+    return eqn.primitive.bind(*subfuns, *invals, **bp)
+
+
+def _inline(eqn, invals, ctx, pins):
+  jaxpr, consts = _sub_jaxpr(eqn.params)
+  args = invals[len(invals) - len(jaxpr.invars):]
+  if eqn.primitive.name in ("remat2", "checkpoint"):
+    fn = jax.checkpoint(
+        lambda *a: interpret(jaxpr, consts, a, ctx, pins),
+        prevent_cse=eqn.params.get("prevent_cse", True),
+        policy=eqn.params.get("policy"))
+    return fn(*args)
+  return interpret(jaxpr, consts, args, ctx, pins)
+
+
+def _scan(eqn, invals, ctx, pins):
+  p = eqn.params
+  body, consts = _closed(p["jaxpr"])
+  nc, ncar = p["num_consts"], p["num_carry"]
+  const_in, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+
+  def step(carry, x):
+    outs = interpret(body, consts, [*const_in, *carry, *x], ctx, pins,
+                     pin_invars=True)
+    return outs[:ncar], outs[ncar:]
+
+  kw = {}
+  if "_split_transpose" in p:
+    kw["_split_transpose"] = p["_split_transpose"]
+  carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
+                       reverse=p["reverse"], unroll=p["unroll"], **kw)
+  return [*carry, *ys]
+
+
+def _cond(eqn, invals, ctx, pins):
+  index, ops = invals[0], invals[1:]
+  fns = []
+  for b, br in enumerate(eqn.params["branches"]):
+    jx, consts = _closed(br)
+    fns.append(lambda *a, jx=jx, consts=consts, b=b: interpret(
+        jx, consts, a, ctx + (b,), pins, pin_invars=True))
+  return lax.switch(index, fns, *ops)
+
+
+def _while(eqn, invals, ctx, pins):
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cc, bc, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+  cj, cconsts = _closed(p["cond_jaxpr"])
+  bj, bconsts = _closed(p["body_jaxpr"])
+
+  def cond(carry):
+    return interpret(cj, cconsts, [*cc, *carry], ctx + ("cond",), pins)[0]
+
+  def body(carry):
+    return interpret(bj, bconsts, [*bc, *carry], ctx + ("body",), pins,
+                     pin_invars=True)
+
+  return lax.while_loop(cond, body, list(init))
+
+
+def planned_function(closed_jaxpr, in_tree, out_tree,
+                     pins: Pins) -> Callable[..., Any]:
+  """A Python function computing the traced program with the plan's pins."""
+
+  def fn(*args):
+    flat, tree = jax.tree_util.tree_flatten(args)
+    if tree != in_tree:
+      raise TypeError(f"planned function called with arguments of structure "
+                      f"{tree}, but it was planned for {in_tree}")
+    outs = interpret(closed_jaxpr.jaxpr, closed_jaxpr.consts, flat, (), pins)
+    return jax.tree_util.tree_unflatten(out_tree, outs)
+
+  return fn

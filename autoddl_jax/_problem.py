@@ -1,0 +1,258 @@
+"""The search problem: candidates per op, edge costs, and plan evaluation.
+
+Every op of the :class:`~autoddl_jax._graph.OpGraph` gets its n-D candidates:
+the product of its 1-D signatures over the mesh axes, keeping only those whose
+splits divide the dims they split. A candidate fixes the nd-SBP of each of the
+op's slots (inputs, then outputs). Each slot's nd-SBP is stored as an index into
+its tensor's :class:`~autoddl_jax._cost.StateSpace`, so the cost of an edge
+(producer slot -> consumer slot) for any pair of candidates is a lookup in one
+shared transition matrix.
+
+A *coordinate* is a group of ops that take one decision together: a parameter's
+input op, the output op of its update, and its optimizer moments; every other op
+is its own coordinate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from autoddl_jax._cluster import Cluster, MeshInfo
+from autoddl_jax._cost import StateSpace, split_factor, state_space
+from autoddl_jax._graph import OpGraph
+from autoddl_jax._sbp import B_CODE as B
+
+MEMORY_ALIAS_OPS = ("~link", "~merge")  # outputs alias their inputs
+
+
+@dataclasses.dataclass
+class Edge:
+  tensor: int
+  prod: int
+  prod_slot: int  # index into the producer's slot list (inputs then outputs)
+  cons: int
+  cons_slot: int
+  weight: float
+  space: StateSpace
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+  time_s: float
+  compute_s: float
+  comm_s: float
+  comm_bytes: float
+  memory_bytes: float
+
+
+class Problem:
+  """Candidates, node costs and edges for one (graph, mesh, cluster)."""
+
+  def __init__(self, graph: OpGraph, mi: MeshInfo, cluster: Cluster,
+               groups: Sequence[Sequence[int]] = ()):
+    self.graph, self.mi, self.cluster = graph, mi, cluster
+    n_axes = mi.ndim
+    rate = cluster.peak_flops * cluster.flops_efficiency
+    self.cands: list[list[tuple[tuple[int, ...], ...]]] = []
+    self.slot_idx: list[list[np.ndarray | None]] = []
+    self.compute: list[np.ndarray] = []
+    self.out_bytes: list[np.ndarray] = []
+    for op in graph.ops:
+      slots = [graph.tensors[t].aval if t is not None else a
+               for t, a in zip(op.ins, op.in_avals)]
+      slots += [graph.tensors[t].aval for t in op.outs]
+      spaces = [state_space(a.shape, a.dtype.itemsize, mi) for a in slots]
+      literal = [t is None for t in op.ins] + [False] * len(op.outs)
+      all_b = next((i for i, (si, so) in enumerate(op.sigs)
+                    if all(c == B for c in (*si, *so))), 0)
+      per_axis = [range(len(op.sigs)) if s > 1 else [all_b]
+                  for s in mi.axis_sizes]
+      seen = {}
+      for combo in itertools.product(*per_axis):
+        nd = []
+        ok = True
+        for s in range(len(slots)):
+          codes = tuple(
+              (op.sigs[k][0] + op.sigs[k][1])[s] for k in combo)
+          if codes not in spaces[s].index or (
+              literal[s] and any(c != B for c in codes)):
+            ok = False
+            break
+          nd.append(codes)
+        if ok:
+          seen.setdefault(tuple(nd), None)
+      cands = list(seen)
+      if not cands:  # cannot happen with an all-B signature; be safe
+        cands = [tuple(tuple(B for _ in range(n_axes)) for _ in slots)]
+      self.cands.append(cands)
+      self.slot_idx.append([
+          np.array([spaces[s].index[c[s]] for c in cands], dtype=np.int32)
+          for s in range(len(slots))])
+      spl = np.array([
+          math.prod(size for a, size in enumerate(mi.axis_sizes)
+                    if any(c[s][a] >= 0 for s in range(len(slots))))
+          for c in cands], dtype=np.float64)
+      self.compute.append(op.flops * op.weight / rate / spl)
+      n_in = len(op.ins)
+      ob = np.zeros(len(cands))
+      if op.prim not in MEMORY_ALIAS_OPS:
+        for s in range(n_in, len(slots)):
+          ob = ob + spaces[s].local_bytes[self.slot_idx[-1][s]]
+      self.out_bytes.append(ob)
+    # Edges: producer output slot -> consumer input slot.
+    self.edges: list[Edge] = []
+    self.incident: list[list[int]] = [[] for _ in graph.ops]
+    for t in graph.tensors:
+      if t.producer is None:
+        continue
+      p, ps = t.producer
+      p_slot = len(graph.ops[p].ins) + ps
+      sp = state_space(t.aval.shape, t.aval.dtype.itemsize, mi)
+      for c, cs in t.consumers:
+        e = Edge(t.id, p, p_slot, c, cs, graph.ops[c].in_weights[cs], sp)
+        self.incident[p].append(len(self.edges))
+        self.incident[c].append(len(self.edges))
+        self.edges.append(e)
+    # Coordinates.
+    grouped = set()
+    self.groups: list[list[int]] = []
+    for g in groups:
+      g = sorted(set(g))
+      ks = {len(self.cands[o]) for o in g}
+      if len(g) > 1 and len(ks) == 1 and not grouped.intersection(g):
+        self.groups.append(g)
+        grouped.update(g)
+    for op in graph.ops:
+      if op.id not in grouped:
+        self.groups.append([op.id])
+    self.groups.sort(key=lambda g: g[0])
+    self.group_of = np.zeros(len(graph.ops), dtype=np.int64)
+    for gi, g in enumerate(self.groups):
+      for o in g:
+        self.group_of[o] = gi
+    self._liveness()
+    self._flatten()
+
+  def _flatten(self):
+    """Flat arrays so a whole plan is scored with a few numpy gathers."""
+    off, flat = [], []
+    n = 0
+    self.slot_off: list[list[int]] = []
+    for o, slots in enumerate(self.slot_idx):
+      offs = []
+      for arr in slots:
+        offs.append(n)
+        flat.append(arr)
+        n += len(arr)
+      self.slot_off.append(offs)
+    self.cand_state = np.concatenate(flat) if flat else np.zeros(0, np.int32)
+    spaces: dict[int, int] = {}
+    t_flat, b_flat, t_off, t_n = [], [], [], []
+    pos = 0
+    e_space = []
+    for e in self.edges:
+      sid = spaces.get(id(e.space))
+      if sid is None:
+        sid = spaces[id(e.space)] = len(t_off)
+        t_flat.append(e.space.time.ravel())
+        b_flat.append(e.space.bytes.ravel())
+        t_off.append(pos)
+        t_n.append(len(e.space.states))
+        pos += e.space.time.size
+      e_space.append(sid)
+    self._t_flat = np.concatenate(t_flat) if t_flat else np.zeros(0)
+    self._b_flat = np.concatenate(b_flat) if b_flat else np.zeros(0)
+    es = np.array(e_space, dtype=np.int64)
+    t_off = np.array(t_off, dtype=np.int64)
+    t_n = np.array(t_n, dtype=np.int64)
+    self.e_prod = np.array([e.prod for e in self.edges], dtype=np.int64)
+    self.e_cons = np.array([e.cons for e in self.edges], dtype=np.int64)
+    self.e_w = np.array([e.weight for e in self.edges])
+    self.e_poff = np.array([self.slot_off[e.prod][e.prod_slot]
+                            for e in self.edges], dtype=np.int64)
+    self.e_coff = np.array([self.slot_off[e.cons][e.cons_slot]
+                            for e in self.edges], dtype=np.int64)
+    self.e_toff = t_off[es] if len(es) else np.zeros(0, np.int64)
+    self.e_tn = t_n[es] if len(es) else np.zeros(0, np.int64)
+    self.node_off = np.cumsum([0] + [len(c) for c in self.cands])[:-1]
+    self.compute_flat = np.concatenate(self.compute)
+    self.out_bytes_flat = np.concatenate(self.out_bytes)
+
+  def edge_costs(self, choice, what: str = "time") -> np.ndarray:
+    """Per-edge cost of a whole plan (vectorized)."""
+    choice = np.asarray(choice, dtype=np.int64)
+    sp = self.cand_state[self.e_poff + choice[self.e_prod]]
+    sc = self.cand_state[self.e_coff + choice[self.e_cons]]
+    flat = self._t_flat if what == "time" else self._b_flat
+    return self.e_w * flat[self.e_toff + sp * self.e_tn + sc]
+
+  # ------------------------------------------------------------- evaluation
+  def edge_pair(self, e: Edge, kp, kc, what: str = "time"):
+    m = e.space.time if what == "time" else e.space.bytes
+    return e.weight * m[self.slot_idx[e.prod][e.prod_slot][kp],
+                        self.slot_idx[e.cons][e.cons_slot][kc]]
+
+  def evaluate(self, choice: Sequence[int]) -> Evaluation:
+    ch = np.asarray(choice, dtype=np.int64)
+    compute = float(self.compute_flat[self.node_off + ch].sum())
+    comm = float(self.edge_costs(ch).sum())
+    comm_b = float(self.edge_costs(ch, "bytes").sum())
+    return Evaluation(compute + comm, compute, comm, comm_b,
+                      self.peak_memory(choice))
+
+  def _liveness(self):
+    g = self.graph
+    n = len(g.ops)
+    self._live = []  # (tensor, producer op, slot, start, end)
+    for t in g.tensors:
+      if t.producer is None:
+        continue
+      p, ps = t.producer
+      op = g.ops[p]
+      if op.prim in MEMORY_ALIAS_OPS or op.kind == "const":
+        continue
+      if op.kind == "input":
+        start, end = 0, n - 1
+      else:
+        start = p
+        ends = [c for c, _ in t.consumers]
+        end = max([p, *ends])
+        if any(g.ops[c].kind == "output" for c in ends):
+          end = n - 1
+      self._live.append((t.id, p, len(op.ins) + ps, start, end))
+
+  def peak_memory(self, choice: Sequence[int]) -> float:
+    n = len(self.graph.ops)
+    delta = np.zeros(n + 1)
+    for tid, p, slot, start, end in self._live:
+      sp = state_space(self.graph.tensors[tid].aval.shape,
+                       self.graph.tensors[tid].aval.dtype.itemsize, self.mi)
+      b = sp.local_bytes[self.slot_idx[p][slot][choice[p]]]
+      delta[start] += b
+      delta[end + 1] -= b
+    return float(np.cumsum(delta).max()) if n else 0.0
+
+  def largest_tensors(self, choice: Sequence[int], k: int = 5):
+    out = []
+    for tid, p, slot, _, _ in self._live:
+      t = self.graph.tensors[tid]
+      sp = state_space(t.aval.shape, t.aval.dtype.itemsize, self.mi)
+      b = sp.local_bytes[self.slot_idx[p][slot][choice[p]]]
+      out.append((float(b), t.name, t.aval.shape))
+    out.sort(key=lambda x: -x[0])
+    return out[:k]
+
+  def slot_codes(self, op: int, choice_k: int, slot: int) -> tuple[int, ...]:
+    return self.cands[op][choice_k][slot]
+
+  def find_candidate(self, op: int, codes: tuple[int, ...]) -> int | None:
+    """The candidate of a source/sink op that gives its tensor ``codes``."""
+    for k, c in enumerate(self.cands[op]):
+      if c[0] == codes:
+        return k
+    return None
