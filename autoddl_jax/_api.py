@@ -271,7 +271,7 @@ class Plan:
     return Mesh(self.mesh.devices, self.mesh.axis_names,
                 axis_types=(AxisType.Auto,) * len(self.mesh.axis_names))
 
-  def _pins(self, mesh: Mesh) -> _lower.Pins:
+  def _pins(self, mesh: Mesh, inputs_too: bool = True) -> _lower.Pins:
     g, prob = self.graph, self.problem
     produced: dict[int, tuple[int, ...]] = {}
     for op in g.ops:
@@ -290,7 +290,7 @@ class Plan:
       elif prod.kind == "link":
         bodies[(ctx, var)] = codes
     inputs = {}
-    for ctx, oid in g.eqn_op.items():
+    for ctx, oid in (g.eqn_op.items() if inputs_too else ()):
       op = g.ops[oid]
       k = self.choice[oid]
       for s, t in enumerate(op.ins):
@@ -301,12 +301,16 @@ class Plan:
           inputs[(ctx, s)] = want
     return _lower.Pins(mesh, outputs, inputs, bodies)
 
-  def jit(self, **jit_kwargs) -> Any:
-    """The planned step as a ``jax.jit`` function (supports ``.lower``)."""
+  def jit(self, *, pin_inputs: bool = True, **jit_kwargs) -> Any:
+    """The planned step as a ``jax.jit`` function (supports ``.lower``).
+
+    ``pin_inputs`` also pins each op's operands where the plan reshards them
+    (else only op results are pinned and XLA picks where to reshard).
+    """
     mesh = self._auto_mesh()
     tr = self._traced
     fn = _lower.planned_function(tr.closed, tr.in_tree, tr.out_tree,
-                                 self._pins(mesh))
+                                 self._pins(mesh, pin_inputs))
     return jax.jit(fn, in_shardings=self._shard_tree(self.in_specs, mesh),
                    out_shardings=self._shard_tree(self.out_specs, mesh),
                    **jit_kwargs)

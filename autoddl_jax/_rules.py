@@ -199,9 +199,9 @@ def _along_axis(param: str) -> Rule:
 
 
 def _top_k(ins, outs, params):
-  r = ins[0].rank
-  letters = _dims(r - 1) + "."
-  return factor_sigs(ins, outs, [letters], [letters] * len(outs))
+  # Splitting the rows would be local, but XLA's partitioner gathers top_k's
+  # operand anyway (tests/test_rules.py): keep it replicated.
+  return [_all_b(ins, outs)]
 
 
 def _squeeze(ins, outs, params):
@@ -412,6 +412,16 @@ def _scatter_add(ins, outs, params):
   return _dedup(sigs)
 
 
+def _convert(ins, outs, params):
+  sigs = _elementwise(ins, outs, params)
+  # Partial sums survive a cast only if it does not round them: float to a
+  # float at least as wide.
+  if ins[0].is_float and outs[0].is_float and (
+      outs[0].dtype.itemsize >= ins[0].dtype.itemsize):
+    sigs.append(((P,), (P,)))
+  return sigs
+
+
 def _clamp(ins, outs, params):
   return _elementwise(ins, outs, params)
 
@@ -439,7 +449,7 @@ RULES["mul"] = _linear("PB", "BP")(_elementwise)
 RULES["div"] = _linear("PB")(_elementwise)
 RULES["select_n"] = _linear("B" + "P" * 64)(_elementwise)
 RULES["clamp"] = _clamp
-RULES["convert_element_type"] = _linear("*")(_elementwise)
+RULES["convert_element_type"] = _convert
 RULES["broadcast_in_dim"] = _linear("P")(_broadcast_in_dim)
 RULES["reshape"] = _linear("P")(_reshape)
 RULES["transpose"] = _linear("P")(_transpose)

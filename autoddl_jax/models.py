@@ -7,9 +7,9 @@ Plain JAX + optax, functional style: ``step(params, opt_state, batch) ->
 paper's two model families -- and a mixture-of-experts layer (top-1 routing with
 capacity, GShard-style dispatch).
 
-Every builder returns ``(step, params, opt_state, batch)`` where the arrays are
-real (``abstract=False``) or ``jax.ShapeDtypeStruct`` (``abstract=True``, for
-planning large models without allocating them).
+Every builder returns an :class:`Example`: the step, its arguments -- real
+arrays (``abstract=False``) or ``jax.ShapeDtypeStruct`` (``abstract=True``, for
+planning large models without allocating them) -- and the optimizer.
 """
 
 from __future__ import annotations
@@ -17,13 +17,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 Params = dict[str, Any]
+
+
+class Example(NamedTuple):
+  step: Callable
+  params: Any
+  opt_state: Any
+  batch: Any
+  optimizer: optax.GradientTransformation
+
+  @property
+  def args(self) -> tuple:
+    return (self.params, self.opt_state, self.batch)
 
 
 def _init(key, shape, scale=None, dtype=jnp.float32):
@@ -75,7 +87,8 @@ def _finish(loss_fn, params, batch, optimizer, abstract, return_grads):
                          batch)
   else:
     opt_state = optimizer.init(params)
-  return make_step(loss_fn, optimizer, return_grads), params, opt_state, batch
+  return Example(make_step(loss_fn, optimizer, return_grads), params,
+                 opt_state, batch, optimizer)
 
 
 def _maybe_abstract(fn, abstract):

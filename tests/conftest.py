@@ -1,0 +1,25 @@
+"""Test setup: 8 simulated CPU devices, before jax does anything."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+import autoddl_jax as ad  # noqa: E402
+
+# A small, slow cluster so that tiny test models still have something to gain
+# from sharding: slow compute, modest links, 4 devices per node.
+TEST_CLUSTER = ad.Cluster(
+    devices_per_node=4, intra_node_bandwidth=10e9, inter_node_bandwidth=2e9,
+    intra_node_latency=1e-6, inter_node_latency=5e-6, peak_flops=1e9,
+    memory_per_device=2**30, flops_efficiency=1.0)
+
+
+@pytest.fixture
+def cluster():
+  return TEST_CLUSTER
