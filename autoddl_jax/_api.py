@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 from autoddl_jax import _lower, _search
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
 from autoddl_jax._cost import one_axis
-from autoddl_jax._graph import OpGraph, build_graph
+from autoddl_jax._graph import OpGraph, build_graph, repeat_groups
 from autoddl_jax._problem import Evaluation, Problem
 from autoddl_jax._sbp import B_CODE as B, NdSbp, codes_to_spec, nd_repr
 from autoddl_jax._sbp import spec_to_codes
@@ -417,7 +417,33 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 
 
 # --------------------------------------------------------------- building
-def _setup(fn, args, mesh, cluster):
+def _layerless(keys: tuple[str, ...]) -> tuple[str, ...]:
+  return tuple("#" if k.isdigit() else k for k in keys)
+
+
+def _merge_repeated_params(groups, graph: OpGraph, tokens, min_repeats=4):
+  """Joins the state groups of the same parameter in unrolled layers: paths
+  equal up to integer keys (``layers/3/wq`` ~ ``layers/7/wq``), same type,
+  when it repeats at least ``min_repeats`` times."""
+  leaf_of = {o: graph.ops[o].leaf for o in graph.input_ops}
+  merged: dict[Any, list[int]] = {}
+  out = []
+  for g in groups:
+    leaves = sorted(leaf_of[o] for o in g if o in leaf_of)
+    if not leaves:
+      out.append(g)
+      continue
+    key = tuple(tokens[i] for i in leaves)
+    merged.setdefault(key, []).append(g)
+  for gs in merged.values():
+    if len(gs) >= min_repeats:
+      out.append([o for g in gs for o in g])
+    else:
+      out.extend(gs)
+  return out
+
+
+def _setup(fn, args, mesh, cluster, tie_repeated: bool = True):
   cluster = H100_NODE if cluster is None else cluster
   if not isinstance(cluster, Cluster):
     raise TypeError(f"cluster must be an autoddl_jax.Cluster, got "
@@ -437,6 +463,17 @@ def _setup(fn, args, mesh, cluster):
     if i not in in_grouped:
       groups.append([graph.input_ops[i], graph.output_ops[j]])
   prob = Problem(graph, mi, cluster, groups)
+  if tie_repeated:
+    tokens = [(_layerless(tr.in_keys[i]), tuple(a.shape), str(a.dtype))
+              for i, a in enumerate(tr.in_avals)]
+    rep = repeat_groups(graph, tokens)
+    merged = _merge_repeated_params(groups, graph, tokens)
+    if rep or len(merged) != len(groups):
+      # Search with repeated blocks tied (decided once); ``prob.untied``
+      # refines the best plans per block at the end.
+      tied = prob.regroup(merged + rep)
+      tied.untied = prob
+      prob = tied
   state = set(out_to_in.values())
   return cluster, mi, tr, graph, prob, state
 
@@ -506,7 +543,8 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     progress = lambda seed, sweep, obj: print(  # noqa: E731
         f"[autoddl_jax] seed {seed:>10}  sweep {sweep:>3}  cost "
         f"{obj * 1e3:.6g} ms", flush=True)
-  res = _search.coordinate_descent(prob, seeds, progress=progress)
+  res = _search.coordinate_descent(prob, seeds, progress=progress,
+                                   polish=getattr(prob, "untied", None))
   choice = res.choice
   if memory_budget is not None:
     choice, res = _fit_budget(prob, seeds, res, float(memory_budget), progress)
@@ -524,7 +562,8 @@ def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
   for k in range(12):
     lam = scale * 4.0 ** k
     r = _search.coordinate_descent(prob, seeds, mem_weight=lam,
-                                   progress=progress)
+                                   progress=progress,
+                                   polish=getattr(prob, "untied", None))
     peak = prob.peak_memory(r.choice)
     if peak < smallest[0]:
       smallest = (peak, r)
@@ -591,7 +630,8 @@ def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
   boundary, which is what XLA's sharding propagation aims at too.
   """
   t0 = time.perf_counter()
-  cluster, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster)
+  cluster, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster,
+                                               tie_repeated=False)
   ins = _flat_shardings(in_shardings, tr.in_tree, len(tr.in_avals),
                         "in_shardings")
   pins = {}
@@ -602,31 +642,23 @@ def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
       raise ValueError(f"in_shardings for {tr.in_names[i]}: {s} cannot be "
                        "used for this argument")
     pins[graph.input_ops[i]] = k
-  fixed = list(pins)
   if out_shardings is not None:
     outs = _flat_shardings(out_shardings, tr.out_tree, len(tr.out_avals),
                            "out_shardings")
     for j, (s, a) in enumerate(zip(outs, tr.out_avals)):
       codes = _to_codes(s, a, mi, f"out_shardings for {tr.out_names[j]}")
-      o = graph.output_ops[j]
-      k = prob.find_candidate(o, codes)
-      grp = prob.groups[prob.group_of[o]]
-      clash = [m for m in grp if m in pins and pins[m] != k]
-      if k is None or clash:
-        # The result is laid out differently from the argument it updates:
-        # score it untied.
-        prob = _untie(prob, o)
-      pins[o] = prob.find_candidate(o, codes)
-      fixed.append(o)
-  res = _search.coordinate_descent(prob, {"hand": pins}, fixed_ops=fixed)
+      pins[graph.output_ops[j]] = prob.find_candidate(graph.output_ops[j],
+                                                      codes)
+  # A hand plan may lay out a result differently from the argument it updates
+  # (or a moment differently from its parameter): score those untied.
+  groups = [g for g in prob.groups if len(g) > 1]
+  keep = [g for g in groups if len({pins[o] for o in g if o in pins}) <= 1]
+  if len(keep) != len(groups):
+    prob = Problem(graph, mi, cluster, keep)
+  res = _search.coordinate_descent(prob, {"hand": pins}, fixed_ops=list(pins))
   return Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
               problem=prob, choice=res.choice, search=res,
               search_seconds=time.perf_counter() - t0)
-
-
-def _untie(prob: Problem, op: int) -> Problem:
-  groups = [[o for o in g if o != op] for g in prob.groups if len(g) > 1]
-  return Problem(prob.graph, prob.mi, prob.cluster, groups)
 
 
 def cost_of(fn: Callable, *args: Any, mesh, in_shardings, out_shardings=None,

@@ -73,6 +73,7 @@ class Op:
   flops: float = 0.0
   name: str = ""
   leaf: int | None = None  # flat leaf index, for input/output ops
+  key: Any = None  # same key = the same op of a repeated (unrolled) block
 
   def __post_init__(self):
     if not self.in_weights:
@@ -241,8 +242,10 @@ class _Builder:
     if sigs is None:
       self.unsupported[name] = self.unsupported.get(name, 0) + 1
       sigs = [(tuple(B for _ in in_avals), tuple(B for _ in out_avals))]
-    return self.op(name, "eqn", ins, in_avals, out_avals, sigs, weight,
-                   flops=eqn_flops(name, in_avals, out_avals, eqn.params))
+    op = self.op(name, "eqn", ins, in_avals, out_avals, sigs, weight,
+                 flops=eqn_flops(name, in_avals, out_avals, eqn.params))
+    op.key = _repeat_key(eqn, in_avals, out_avals, weight)
+    return op
 
   def scan(self, eqn, ins, ctx, weight) -> list[int]:
     p = eqn.params
@@ -333,6 +336,59 @@ class _Builder:
       self.add_input(t, m, 1)
     return [self.link("~link", c, self.tensors[c].aval, weight, weight)
             for c in carry]
+
+
+def _repeat_key(eqn, in_avals, out_avals, weight):
+  """Ops of structurally identical unrolled blocks share this key: the same
+  source location (a Python loop's body), transform (forward or backward),
+  primitive, shapes and parameters."""
+  si = eqn.source_info
+  if si is None or si.traceback is None:
+    return None
+  try:
+    params = tuple(sorted((k, repr(v)) for k, v in eqn.params.items()
+                          if not isinstance(v, (jcore.Jaxpr,
+                                                jcore.ClosedJaxpr))))
+    return (si.traceback, str(si.name_stack), eqn.primitive.name,
+            tuple(in_avals), tuple(out_avals), params, weight)
+  except TypeError:  # an unhashable traceback or parameter
+    return None
+
+
+def repeat_groups(graph: OpGraph, input_tokens: Sequence[Any],
+                  depth: int = 3, min_repeats: int = 4) -> list[list[int]]:
+  """Groups of ops that are the same op of repeated (unrolled) blocks.
+
+  Two ops match when they have the same :func:`_repeat_key` and so do their
+  producers, ``depth`` levels up the dataflow (a Merkle hash); the program's
+  inputs hash by ``input_tokens`` (parameter paths with layer numbers
+  removed). Two multiplies from one source line inside one block then stay
+  apart, while the same multiply in block 3 and block 7 share one decision.
+  Only ops repeated ``min_repeats`` times or more are tied: for a model of two
+  or three blocks, the blocks next to the embedding and the head differ too
+  much for one decision to fit them all, and the search is cheap anyway.
+  """
+  tok: list[Any] = []
+  for op in graph.ops:
+    if op.kind == "input":
+      tok.append(("input", input_tokens[op.leaf]))
+    elif op.key is not None:
+      tok.append(op.key)
+    else:
+      tok.append((op.prim, op.kind, tuple(op.in_avals)))
+  h = [hash(t) for t in tok]
+  for _ in range(depth):
+    nh = []
+    for op in graph.ops:
+      ins = tuple(h[graph.tensors[t].producer[0]] if t is not None else 0
+                  for t in op.ins)
+      nh.append(hash((h[op.id], ins)))
+    h = nh
+  by_key: dict[int, list[int]] = {}
+  for op in graph.ops:
+    if op.kind == "eqn" and op.key is not None:
+      by_key.setdefault(h[op.id], []).append(op.id)
+  return [g for g in by_key.values() if len(g) >= min_repeats]
 
 
 def _identity_sigs(rank: int, n_in: int = 1) -> list[Sig]:

@@ -15,6 +15,7 @@ is its own coordinate.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -118,7 +119,18 @@ class Problem:
         self.incident[p].append(len(self.edges))
         self.incident[c].append(len(self.edges))
         self.edges.append(e)
-    # Coordinates.
+    self._set_groups(groups)
+    self._liveness()
+    self._flatten()
+
+  def regroup(self, groups: Sequence[Sequence[int]]) -> Problem:
+    """The same problem with other coordinates (shares every array)."""
+    new = copy.copy(self)
+    new._set_groups(groups)
+    return new
+
+  def _set_groups(self, groups: Sequence[Sequence[int]]):
+    graph = self.graph
     grouped = set()
     self.groups: list[list[int]] = []
     for g in groups:
@@ -135,8 +147,6 @@ class Problem:
     for gi, g in enumerate(self.groups):
       for o in g:
         self.group_of[o] = gi
-    self._liveness()
-    self._flatten()
 
   def _flatten(self):
     """Flat arrays so a whole plan is scored with a few numpy gathers."""

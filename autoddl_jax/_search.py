@@ -314,7 +314,8 @@ def _improve(cd: _Cd, choice: np.ndarray, fixed: np.ndarray, trees,
 
 def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
                        fixed_ops: Sequence[int] = (), mem_weight: float = 0.0,
-                       progress: Callable[[str, int, float], None] | None = None
+                       progress: Callable[[str, int, float], None] | None = None,
+                       polish: Problem | None = None, polish_top: int = 8
                        ) -> SearchResult:
   """Runs CD from each seed; returns the best plan.
 
@@ -328,7 +329,7 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
   cache: dict = {}
   trees = [_TreeMove(cd, "heavy", cache), _TreeMove(cd, "program", cache)]
   n = len(prob.cands)
-  best: SearchResult | None = None
+  results: list[SearchResult] = []
   for name, pins in seeds.items():
     choice = np.zeros(n, dtype=np.int64)
     fixed = np.zeros(n, dtype=bool)
@@ -348,10 +349,23 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
     hard[list(fixed_ops)] = True
     if not (fixed == hard).all():
       sweeps += _improve(cd, choice, hard, trees, cb)
-    obj = cd.objective(choice)
-    if best is None or obj < best.objective - _EPS * max(1.0, abs(obj)):
-      best = SearchResult([int(c) for c in choice], obj, name, sweeps, 0.0)
-  assert best is not None
+    results.append(SearchResult([int(c) for c in choice],
+                                cd.objective(choice), name, sweeps, 0.0))
+  results.sort(key=lambda r: r.objective)  # stable: seed order breaks ties
+  if polish is not None:
+    pcd = _Cd(polish, mem_weight)
+    ptrees = [_TreeMove(pcd, "heavy"), _TreeMove(pcd, "program")]
+    hard = np.zeros(n, dtype=bool)
+    hard[list(fixed_ops)] = True
+    polished = []
+    for r in results[:polish_top]:
+      choice = np.array(r.choice, dtype=np.int64)
+      sweeps = _improve(pcd, choice, hard, ptrees)
+      polished.append(SearchResult([int(c) for c in choice],
+                                   pcd.objective(choice), r.seed,
+                                   r.sweeps + sweeps, 0.0))
+    results = sorted(polished, key=lambda r: r.objective)
+  best = results[0]
   best.seconds = time.perf_counter() - t0
   return best
 
