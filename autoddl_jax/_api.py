@@ -492,6 +492,29 @@ def _pins_for(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
   return pins
 
 
+def _megatron_seed(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
+                   state: set[int]) -> dict[int, int]:
+  """Matmul weights alternate column- and row-parallel on the last mesh axis
+  in the order the program first uses them; data splits over the others."""
+  first_use = {}
+  for i, o in enumerate(graph.input_ops):
+    t = graph.tensors[graph.ops[o].outs[0]]
+    g = int(prob.group_of[o])
+    if i in state and len(tr.in_avals[i].shape) >= 2 and t.consumers:
+      first_use[g] = min(first_use.get(g, 1 << 60),
+                         min(c for c, _ in t.consumers))
+  kind = {g: ("tp_col", "tp_row")[j % 2] for j, g in enumerate(
+      sorted(first_use, key=lambda g: (first_use[g], g)))}
+
+  def codes(i):
+    if not tr.splittable[i]:
+      return None
+    k = kind.get(int(prob.group_of[graph.input_ops[i]]), "tp_col")
+    return _seed_codes(k, tr.in_avals[i].shape, mi.axis_sizes, i in state)
+
+  return _pins_for(prob, graph, tr, mi, codes)
+
+
 def _user_codes(tr: _Traced, mi: MeshInfo):
   def codes(i):
     s = tr.shardings[i]
@@ -534,6 +557,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     seeds[kind] = _pins_for(prob, graph, tr, mi, lambda i, kind=kind: (
         _seed_codes(kind, tr.in_avals[i].shape, mi.axis_sizes, i in state)
         if tr.splittable[i] else None))
+  seeds["megatron"] = _megatron_seed(prob, graph, tr, mi, state)
   if any(s is not None for s in tr.shardings):
     user = _pins_for(prob, graph, tr, mi, _user_codes(tr, mi))
     if user:

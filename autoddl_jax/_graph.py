@@ -356,7 +356,7 @@ def _repeat_key(eqn, in_avals, out_avals, weight):
 
 
 def repeat_groups(graph: OpGraph, input_tokens: Sequence[Any],
-                  depth: int = 3, min_repeats: int = 4) -> list[list[int]]:
+                  depth: int = 6, min_repeats: int = 4) -> list[list[int]]:
   """Groups of ops that are the same op of repeated (unrolled) blocks.
 
   Two ops match when they have the same :func:`_repeat_key` and so do their

@@ -136,10 +136,11 @@ def spec_to_codes(spec: PartitionSpec, rank: int,
   """PartitionSpec -> nd-SBP codes, validating against the mesh axis order."""
   names = tuple(axis_names)
   codes = [B_CODE] * len(names)
-  if len(spec) > rank:
-    raise ValueError(f"PartitionSpec {spec} has {len(spec)} entries for a "
+  entries = tuple(getattr(spec, "partitions", spec))
+  if len(entries) > rank:
+    raise ValueError(f"PartitionSpec {spec} has {len(entries)} entries for a "
                      f"rank-{rank} tensor")
-  for dim, entry in enumerate(spec):
+  for dim, entry in enumerate(entries):
     if entry is None:
       continue
     if entry is PartitionSpec.UNCONSTRAINED:

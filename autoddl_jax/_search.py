@@ -1,16 +1,22 @@
 """Coordinate descent over SBP signatures (the AutoDDL search), and an exact
 solver for small graphs.
 
-Coordinate descent, in brief:
-  1. A coordinate is one decision: a parameter's nd-SBP (tied across its use,
-     gradient, optimizer moments and update) or one op's signature.
-  2. Seeds fix the program's inputs (data-parallel, FSDP, tensor-parallel, ...)
-     and fill every other op greedily in program order.
-  3. A sweep sets each coordinate to its cheapest value with all others fixed
-     (node cost + every incident edge), in program order, then in reverse.
-  4. Block moves re-decide a whole spanning tree of coordinates exactly (dynamic
-     programming), the edges off the tree held at their current values.
-  5. Sweeps and block moves repeat until none improves; the best seed wins.
+The search works on a pairwise cost model: one node per *coordinate* (a
+parameter's layout, tied across its use, gradient, moments and update; or one
+op's signature), a cost vector per node (compute, memory pressure) and a cost
+matrix per pair of adjacent nodes (the collectives between them).
+
+1. Eliminate exactly what is cheap to solve exactly, as OneFlow does: a node
+   with one neighbour folds into it, a node with two folds into the edge
+   between them (its best value for each pair of theirs is remembered). What
+   stays is a small *core* -- chains like the optimizer update of each
+   parameter disappear entirely.
+2. On the core, from several seeds (data-parallel, FSDP, tensor-parallel,
+   replicated, the user's placements): fill greedily, then coordinate descent
+   -- each node set to its best value with the others fixed -- alternated with
+   exact dynamic programming over spanning trees (edges off the tree held) and
+   parameter-neighbourhood moves, until none improves.
+3. Unfold the eliminated nodes; the best seed wins.
 Everything is deterministic: ties keep the current value, then the lowest index.
 
 The exact solver minimises the same objective as a mixed-integer program
@@ -20,7 +26,6 @@ The exact solver minimises the same objective as a mixed-integer program
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,6 +34,7 @@ import numpy as np
 from autoddl_jax._problem import Problem
 
 _EPS = 1e-12
+_MAX_FOLD = 4_000_000  # largest K_a*K_v*K_b tensor a degree-2 fold may build
 
 
 @dataclasses.dataclass
@@ -40,166 +46,200 @@ class SearchResult:
   seconds: float
 
 
-class _Cd:
-  """Coordinate-descent state over a Problem."""
+# ------------------------------------------------------------- the pair MRF
+class Mrf:
+  """Unary vectors and pairwise matrices over the problem's coordinates."""
 
   def __init__(self, prob: Problem, mem_weight: float = 0.0):
-    self.p = prob
-    self.mem_weight = mem_weight
-    self.node = [prob.compute[o] + mem_weight * prob.out_bytes[o]
-                 for o in range(len(prob.cands))]
-    self._nb: dict[int, list[int]] = {}
-
-  def group_vector(self, g: int, choice: np.ndarray,
-                   assigned: np.ndarray | None = None) -> np.ndarray:
-    p = self.p
-    members = p.groups[g]
-    vec = np.zeros(len(p.cands[members[0]]))
-    mset = set(members)
-    seen = set()
-    for o in members:
-      vec = vec + self.node[o]
-      for ei in p.incident[o]:
-        if ei in seen:
-          continue
-        seen.add(ei)
-        e = p.edges[ei]
-        m = e.space.time
-        pi = p.slot_idx[e.prod][e.prod_slot]
-        ci = p.slot_idx[e.cons][e.cons_slot]
-        if e.prod in mset and e.cons in mset:
-          vec = vec + e.weight * m[pi, ci]  # same k on both ends
-        elif e.prod in mset:
-          if assigned is not None and not assigned[e.cons]:
-            continue
-          vec = vec + e.weight * m[pi, ci[choice[e.cons]]]
-        else:
-          if assigned is not None and not assigned[e.prod]:
-            continue
-          vec = vec + e.weight * m[pi[choice[e.prod]], ci]
-    return vec
-
-  def objective(self, choice: np.ndarray) -> float:
-    p = self.p
-    ch = np.asarray(choice, dtype=np.int64)
-    node = p.compute_flat[p.node_off + ch].sum()
-    if self.mem_weight:
-      node += self.mem_weight * p.out_bytes_flat[p.node_off + ch].sum()
-    return float(node + p.edge_costs(ch).sum())
-
-  def set_group(self, g: int, k: int, choice: np.ndarray):
-    for o in self.p.groups[g]:
-      choice[o] = k
-
-  def fill(self, choice: np.ndarray, fixed: np.ndarray,
-           lazy: bool = False) -> np.ndarray:
-    """Greedy program-order assignment of every coordinate not fixed.
-
-    ``lazy`` counts communication only, ties going to the lowest candidate
-    (all-B first, then the signatures in rule order): layouts then flow from
-    the inputs the way sharding propagation would carry them.
-    """
-    assigned = fixed.copy()
-    node = self.node
-    if lazy:
-      self.node = [np.zeros_like(v) for v in node]
-    for g, members in enumerate(self.p.groups):
-      if assigned[members[0]]:
+    self.prob = prob
+    ng = len(prob.groups)
+    self.K = [len(prob.cands[m[0]]) for m in prob.groups]
+    self.U: list[np.ndarray] = []
+    for m in prob.groups:
+      u = np.zeros(self.K[len(self.U)])
+      for o in m:
+        u = u + prob.compute[o] + mem_weight * prob.out_bytes[o]
+      self.U.append(u)
+    self.M: dict[tuple[int, int], np.ndarray] = {}
+    for e in prob.edges:
+      a, b = int(prob.group_of[e.prod]), int(prob.group_of[e.cons])
+      pi = prob.slot_idx[e.prod][e.prod_slot]
+      ci = prob.slot_idx[e.cons][e.cons_slot]
+      if a == b:
+        self.U[a] = self.U[a] + e.weight * e.space.time[pi, ci]
         continue
-      vec = self.group_vector(g, choice, assigned)
-      self.set_group(g, int(np.argmin(vec)), choice)
-      for o in members:
-        assigned[o] = True
-    self.node = node
+      m = e.weight * e.space.time[np.ix_(pi, ci)]
+      if not m.any():
+        continue
+      self.add_pair(a, b, m)
+    self.adj: list[set[int]] = [set() for _ in range(ng)]
+    for a, b in self.M:
+      self.adj[a].add(b)
+      self.adj[b].add(a)
+
+  def add_pair(self, a: int, b: int, m: np.ndarray):
+    if a > b:
+      a, b, m = b, a, m.T
+    old = self.M.get((a, b))
+    self.M[(a, b)] = m if old is None else old + m
+
+  def pair(self, a: int, b: int) -> np.ndarray:
+    return self.M[(a, b)] if a < b else self.M[(b, a)].T
+
+  def vector(self, g: int, choice: np.ndarray) -> np.ndarray:
+    v = self.U[g]
+    for nb in self.adj[g]:
+      v = v + self.pair(g, nb)[:, choice[nb]]
+    return v
+
+  def objective(self, choice: np.ndarray, nodes=None) -> float:
+    nodes = range(len(self.U)) if nodes is None else nodes
+    tot = sum(float(self.U[g][choice[g]]) for g in nodes)
+    alive = set(nodes)
+    for (a, b), m in self.M.items():
+      if a in alive and b in alive:
+        tot += float(m[choice[a], choice[b]])
+    return tot
+
+
+@dataclasses.dataclass
+class _Fold:
+  node: int
+  kind: str  # "fixed" | "free" | "leaf" | "pair"
+  others: tuple[int, ...]
+  table: np.ndarray | int
+
+
+def eliminate(mrf: Mrf, pins: Mapping[int, int]) -> tuple[list[int],
+                                                           list[_Fold]]:
+  """Folds pinned nodes, leaves and degree-2 nodes away (exactly).
+
+  Modifies ``mrf`` in place; returns the core nodes and the fold records.
+  """
+  folds: list[_Fold] = []
+  alive = [True] * len(mrf.U)
+
+  def drop(v):
+    for nb in list(mrf.adj[v]):
+      mrf.adj[nb].discard(v)
+      mrf.M.pop((min(v, nb), max(v, nb)), None)
+    mrf.adj[v] = set()
+    alive[v] = False
+
+  for v, k in sorted(pins.items()):
+    for nb in mrf.adj[v]:
+      mrf.U[nb] = mrf.U[nb] + mrf.pair(nb, v)[:, k]
+    drop(v)
+    folds.append(_Fold(v, "fixed", (), k))
+  queue = [v for v in range(len(mrf.U)) if alive[v] and len(mrf.adj[v]) <= 2]
+  while queue:
+    nxt = []
+    for v in queue:
+      if not alive[v]:
+        continue
+      nbs = sorted(mrf.adj[v])
+      if len(nbs) == 0:
+        folds.append(_Fold(v, "free", (), int(np.argmin(mrf.U[v]))))
+        alive[v] = False
+      elif len(nbs) == 1:
+        (u,) = nbs
+        t = mrf.pair(u, v) + mrf.U[v][None, :]
+        arg = np.argmin(t, axis=1)
+        mrf.U[u] = mrf.U[u] + t[np.arange(len(arg)), arg]
+        drop(v)
+        folds.append(_Fold(v, "leaf", (u,), arg))
+        nxt.append(u)
+      elif len(nbs) == 2:
+        a, b = nbs
+        if mrf.K[a] * mrf.K[v] * mrf.K[b] > _MAX_FOLD:
+          continue
+        t = (mrf.pair(a, v)[:, :, None] + mrf.U[v][None, :, None] +
+             mrf.pair(v, b)[None, :, :])
+        arg = np.argmin(t, axis=1)
+        best = np.take_along_axis(t, arg[:, None, :], axis=1)[:, 0, :]
+        drop(v)
+        mrf.add_pair(a, b, best)
+        mrf.adj[a].add(b)
+        mrf.adj[b].add(a)
+        folds.append(_Fold(v, "pair", (a, b), arg))
+        nxt += [a, b]
+    queue = [v for v in dict.fromkeys(nxt) if alive[v] and
+             len(mrf.adj[v]) <= 2]
+  core = [v for v in range(len(mrf.U)) if alive[v]]
+  return core, folds
+
+
+def unfold(choice: np.ndarray, folds: Sequence[_Fold]) -> np.ndarray:
+  for f in reversed(folds):
+    if f.kind in ("fixed", "free"):
+      choice[f.node] = f.table
+    elif f.kind == "leaf":
+      choice[f.node] = f.table[choice[f.others[0]]]
+    else:
+      a, b = f.others
+      choice[f.node] = f.table[choice[a], choice[b]]
+  return choice
+
+
+# ----------------------------------------------------------- search on core
+class _Core:
+  """Coordinate descent, tree moves and neighbourhood moves on the core."""
+
+  def __init__(self, mrf: Mrf, core: Sequence[int], is_param: Sequence[bool]):
+    self.mrf = mrf
+    self.core = list(core)
+    self.is_param = is_param
+    self.trees = [self._spanning_tree("heavy"), self._spanning_tree("order")]
+
+  def objective(self, choice) -> float:
+    return self.mrf.objective(choice, self.core)
+
+  def fill(self, choice: np.ndarray, assigned: np.ndarray,
+           lazy: bool) -> np.ndarray:
+    """Greedy order fill; ``lazy`` counts communication only (propagation)."""
+    mrf = self.mrf
+    assigned = assigned.copy()
+    for g in self.core:
+      if assigned[g]:
+        continue
+      v = np.zeros(mrf.K[g]) if lazy else mrf.U[g].copy()
+      for nb in mrf.adj[g]:
+        if assigned[nb]:
+          v = v + mrf.pair(g, nb)[:, choice[nb]]
+      choice[g] = int(np.argmin(v))
+      assigned[g] = True
     return choice
 
-  def descend(self, choice: np.ndarray, fixed: np.ndarray,
-              max_sweeps: int = 100,
-              progress: Callable[[int, float], None] | None = None) -> int:
-    """Sweeps (forward, then backward, ...) over the coordinates whose
-    neighbourhood changed since they were last set, until none moves."""
-    p = self.p
-    free = np.array([not fixed[m[0]] and len(p.cands[m[0]]) > 1
-                     for m in p.groups])
-    dirty = free.copy()
+  def descend(self, choice: np.ndarray, hold=(), start=None,
+              max_sweeps: int = 200) -> int:
+    mrf = self.mrf
+    hold = set(hold)
+    dirty = dict.fromkeys(self.core if start is None else start)
     sweeps = 0
-    for sweeps in range(1, max_sweeps + 1):
-      order = np.nonzero(dirty)[0]
-      if not len(order):
-        break
-      dirty[:] = False
+    while dirty and sweeps < max_sweeps:
+      sweeps += 1
+      order = list(dirty)
+      dirty = {}
       if sweeps % 2 == 0:
-        order = order[::-1]
-      moved = False
+        order.reverse()
       for g in order:
-        vec = self.group_vector(int(g), choice)
-        cur = choice[p.groups[g][0]]
-        k = int(np.argmin(vec))
-        if vec[k] < vec[cur] - _EPS * max(1.0, abs(vec[cur])):
-          self.set_group(int(g), k, choice)
-          moved = True
-          for nb in self.neighbours(int(g)):
-            if free[nb]:
-              dirty[nb] = True
-      if progress is not None:
-        progress(sweeps, self.objective(choice))
-      if not moved:
-        break
+        if g in hold or mrf.K[g] < 2:
+          continue
+        v = mrf.vector(g, choice)
+        cur = choice[g]
+        k = int(np.argmin(v))
+        if v[k] < v[cur] - _EPS * max(1.0, abs(v[cur])):
+          choice[g] = k
+          for nb in mrf.adj[g]:
+            dirty[nb] = None
     return sweeps
 
-  def neighbours(self, g: int) -> list[int]:
-    nb = self._nb.get(g)
-    if nb is None:
-      p = self.p
-      s = set()
-      for o in p.groups[g]:
-        for ei in p.incident[o]:
-          e = p.edges[ei]
-          s.add(int(p.group_of[e.prod]))
-          s.add(int(p.group_of[e.cons]))
-      s.discard(g)
-      nb = self._nb[g] = sorted(s)
-    return nb
-
-
-class _TreeMove:
-  """Exact minimisation over a spanning tree of coordinates, by dynamic
-  programming, with the edges off the tree held at their current values.
-
-  Single-coordinate moves stall where a whole chain must change together (a
-  run of ops that should all stay replicated, say): each op alone only moves an
-  all-gather one step. A tree move re-decides every coordinate at once, exact on
-  the chains and branches of the tree (OneFlow's eliminations do the same for
-  series-parallel parts). The result is kept only if the true objective drops.
-  """
-
-  def __init__(self, cd: _Cd, order: str, cache: dict | None = None):
-    p = cd.p
-    self.cd = cd
-    self.cache = {} if cache is None else cache
-    ng = len(p.groups)
-    self.unary = []
-    for g, members in enumerate(p.groups):
-      vec = np.zeros(len(p.cands[members[0]]))
-      for o in members:
-        vec = vec + cd.node[o]
-      self.unary.append(vec)
-    pairs: dict[tuple[int, int], list[int]] = {}
-    for ei, e in enumerate(p.edges):
-      a, b = int(p.group_of[e.prod]), int(p.group_of[e.cons])
-      if a == b:
-        pi = p.slot_idx[e.prod][e.prod_slot]
-        ci = p.slot_idx[e.cons][e.cons_slot]
-        self.unary[a] = self.unary[a] + e.weight * e.space.time[pi, ci]
-      else:
-        pairs.setdefault((min(a, b), max(a, b)), []).append(ei)
-    self.pairs = pairs
-    keys = sorted(pairs)
+  def _spanning_tree(self, order: str):
+    mrf = self.mrf
+    keys = sorted(mrf.M)
     if order == "heavy":
-      heavy = {k: max(p.edges[ei].space.nbytes * p.edges[ei].weight
-                      for ei in pairs[k]) for k in keys}
-      keys.sort(key=lambda k: (-heavy[k], k))
-    parent = list(range(ng))
+      keys.sort(key=lambda k: (-float(np.ptp(mrf.M[k])), k))
+    parent = {g: g for g in self.core}
 
     def find(i):
       while parent[i] != i:
@@ -207,167 +247,286 @@ class _TreeMove:
         i = parent[i]
       return i
 
-    self.tree: set[tuple[int, int]] = set()
-    self.adj: list[list[int]] = [[] for _ in range(ng)]
+    adj: dict[int, list[int]] = {g: [] for g in self.core}
+    tree = set()
     for a, b in keys:
       ra, rb = find(a), find(b)
       if ra != rb:
         parent[ra] = rb
-        self.tree.add((a, b))
-        self.adj[a].append(b)
-        self.adj[b].append(a)
+        tree.add((a, b))
+        adj[a].append(b)
+        adj[b].append(a)
+    return tree, adj
 
-  def matrix(self, a: int, b: int) -> np.ndarray:
-    """Cost of the edges between groups a and b, indexed [k_a, k_b]."""
-    lo, hi = min(a, b), max(a, b)
-    m = self.cache.get((lo, hi))
-    if m is None:
-      m = self._matrix(lo, hi)
-      if len(self.cache) < 50_000 and m.size < 1_000_000:
-        self.cache[(lo, hi)] = m
-    return m if a == lo else m.T
-
-  def _matrix(self, lo: int, hi: int) -> np.ndarray:
-    p = self.cd.p
-    m = None
-    for ei in self.pairs[(lo, hi)]:
-      e = p.edges[ei]
-      pi = p.slot_idx[e.prod][e.prod_slot]
-      ci = p.slot_idx[e.cons][e.cons_slot]
-      mm = e.weight * e.space.time[np.ix_(pi, ci)]
-      if int(p.group_of[e.prod]) != lo:
-        mm = mm.T
-      m = mm if m is None else m + mm
-    return m
-
-  def run(self, choice: np.ndarray, fixed: np.ndarray,
-          condition: bool = True) -> np.ndarray:
-    p = self.cd.p
-    ng = len(p.groups)
-    cur = np.array([choice[m[0]] for m in p.groups])
-    unary = []
-    for g in range(ng):
-      u = self.unary[g].copy()
-      if fixed[p.groups[g][0]]:
-        keep = u[cur[g]]
+  def tree_move(self, tree, choice: np.ndarray, hold=(),
+                condition: bool = True) -> np.ndarray:
+    """Exact DP over a spanning tree; off-tree edges held at ``choice``."""
+    mrf = self.mrf
+    edges, adj = tree
+    hold = set(hold)
+    unary = {}
+    for g in self.core:
+      u = mrf.U[g].copy()
+      if g in hold:
+        keep = u[choice[g]]
         u[:] = np.inf
-        u[cur[g]] = keep
-      unary.append(u)
-    for (a, b), _ in self.pairs.items():
-      if (a, b) in self.tree or not condition:
-        continue
-      m = self.matrix(a, b)
-      unary[a] = unary[a] + 0.5 * m[:, cur[b]]
-      unary[b] = unary[b] + 0.5 * m[cur[a], :]
-    new = cur.copy()
-    seen = np.zeros(ng, dtype=bool)
-    for root in range(ng):
-      if seen[root]:
+        u[choice[g]] = keep
+      unary[g] = u
+    if condition:
+      for (a, b), m in mrf.M.items():
+        if (a, b) not in edges:
+          unary[a] = unary[a] + 0.5 * m[:, choice[b]]
+          unary[b] = unary[b] + 0.5 * m[choice[a], :]
+    new = choice.copy()
+    seen = set()
+    for root in self.core:
+      if root in seen:
         continue
       order, par = [root], {root: -1}
-      seen[root] = True
+      seen.add(root)
       i = 0
       while i < len(order):
         v = order[i]
         i += 1
-        for w in self.adj[v]:
-          if not seen[w]:
-            seen[w] = True
+        for w in adj[v]:
+          if w not in seen:
+            seen.add(w)
             par[w] = v
             order.append(w)
       acc = {v: unary[v] for v in order}
       back = {}
       for v in reversed(order[1:]):
         u = par[v]
-        tot = self.matrix(u, v) + acc[v][None, :]
+        tot = mrf.pair(u, v) + acc[v][None, :]
         back[v] = np.argmin(tot, axis=1)
         acc[u] = acc[u] + tot[np.arange(tot.shape[0]), back[v]]
       new[root] = int(np.argmin(acc[root]))
       for v in order[1:]:
         new[v] = back[v][new[par[v]]]
-    out = choice.copy()
-    for g, m in enumerate(p.groups):
-      for o in m:
-        out[o] = new[g]
-    return out
+    return new
 
+  def block_move(self, block: Sequence[int], choice: np.ndarray) -> bool:
+    """Sets a few adjacent nodes to their jointly best values (exhaustive)."""
+    mrf = self.mrf
+    n = len(block)
+    pos = {g: i for i, g in enumerate(block)}
+    shape = [mrf.K[g] for g in block]
+    tot = np.zeros(shape)
+    for i, g in enumerate(block):
+      u = mrf.U[g].copy()
+      for nb in mrf.adj[g]:
+        if nb not in pos:
+          u = u + mrf.pair(g, nb)[:, choice[nb]]
+      view = [1] * n
+      view[i] = shape[i]
+      tot = tot + u.reshape(view)
+      for nb in mrf.adj[g]:
+        j = pos.get(nb)
+        if j is not None and j > i:
+          view = [1] * n
+          view[i], view[j] = shape[i], shape[j]
+          tot = tot + mrf.pair(g, nb).reshape(view)
+    cur = tuple(choice[g] for g in block)
+    k = np.unravel_index(int(np.argmin(tot)), tot.shape)
+    if tot[k] < tot[cur] - _EPS * max(1.0, abs(tot[cur])):
+      for g, kk in zip(block, k):
+        choice[g] = int(kk)
+      return True
+    return False
 
-def _improve(cd: _Cd, choice: np.ndarray, fixed: np.ndarray, trees,
-             progress=None, max_rounds: int = 20) -> int:
-  """Alternates coordinate sweeps and tree moves until neither helps."""
-  sweeps = cd.descend(choice, fixed, progress=progress)
-  best = cd.objective(choice)
-  for _ in range(max_rounds):
+  def block_moves(self, choice: np.ndarray, limit: int = 50_000) -> bool:
+    """OneFlow-style local search: each node with as many of its neighbours
+    as fit in ``limit`` joint values, re-decided together."""
+    mrf = self.mrf
+    size = 1
+    for g in self.core:
+      size *= mrf.K[g]
+      if size > limit:
+        break
+    if self.core and size <= limit:
+      return self.block_move(self.core, choice)
     improved = False
-    for tree, condition in itertools.product(trees, (True, False)):
-      cand = tree.run(choice, fixed, condition)
-      obj = cd.objective(cand)
-      if obj < best - _EPS * max(1.0, abs(best)):
-        choice[:] = cand
-        sweeps += cd.descend(choice, fixed, progress=progress)
-        best = cd.objective(choice)
+    for g in self.core:
+      block, size = [g], mrf.K[g]
+      for nb in sorted(mrf.adj[g], key=lambda x: (mrf.K[x], x)):
+        if size * mrf.K[nb] > limit:
+          break
+        block.append(nb)
+        size *= mrf.K[nb]
+      if len(block) > 1 and self.block_move(block, choice):
         improved = True
-    if not improved:
-      break
-  return sweeps
+    return improved
+
+  def neighbourhood_moves(self, choice: np.ndarray, tries: int = 3) -> bool:
+    """Force each parameter node to its next-best values and let the change
+    ripple (descent + a tree move, the parameter held); keep what helps."""
+    mrf = self.mrf
+    best_obj = self.objective(choice)
+    improved = False
+    for g in self.core:
+      if not self.is_param[g] or mrf.K[g] < 2:
+        continue
+      v = mrf.vector(g, choice)
+      order = [int(k) for k in np.argsort(v, kind="stable")
+               if k != choice[g]][:tries]
+      best = None
+      for k in order:
+        trial = choice.copy()
+        trial[g] = k
+        self.descend(trial, hold=(g,), start=list(mrf.adj[g]))
+        alt = self.tree_move(self.trees[1], trial, hold=(g,))
+        self.descend(alt, hold=(g,))
+        for t in (trial, alt):
+          obj = self.objective(t)
+          if obj < best_obj - _EPS * max(1.0, abs(best_obj)):
+            best, best_obj = t.copy(), obj
+      if best is not None:
+        choice[:] = best
+        self.descend(choice, start=[g, *mrf.adj[g]])
+        best_obj = self.objective(choice)
+        improved = True
+    return improved
+
+  def improve(self, choice: np.ndarray, max_rounds: int = 30,
+              progress=None, lns: bool = True) -> int:
+    sweeps = self.descend(choice)
+    best = self.objective(choice)
+    for _ in range(max_rounds):
+      improved = False
+      for tree in self.trees:
+        for condition in (True, False):
+          cand = self.tree_move(tree, choice, condition=condition)
+          obj = self.objective(cand)
+          if obj < best - _EPS * max(1.0, abs(best)):
+            choice[:] = cand
+            sweeps += self.descend(choice)
+            best = self.objective(choice)
+            improved = True
+      if not improved and self.block_moves(choice):
+        self.descend(choice)
+        best = self.objective(choice)
+        improved = True
+      if not improved and lns:
+        improved = self.neighbourhood_moves(choice)
+        best = self.objective(choice)
+      if progress is not None:
+        progress(sweeps, best)
+      if not improved:
+        break
+    return sweeps
+
+
+def _solve(prob: Problem, pins: Mapping[int, int], start: np.ndarray | None,
+           mem_weight: float, restarts: bool, progress=None):
+  """One search: eliminate around ``pins`` (group -> value), search the core
+  from ``start`` (or a greedy fill), unfold. Returns group choices.
+  ``restarts`` adds the expensive moves: neighbourhood moves and restarts."""
+  mrf = Mrf(prob, mem_weight)
+  is_param = [any(prob.graph.ops[o].kind == "input" for o in m)
+              for m in prob.groups]
+  core, folds = eliminate(mrf, pins)
+  search = _Core(mrf, core, is_param)
+  if start is None:
+    starts = []
+    for lazy in (False, True):
+      starts.append(search.fill(np.zeros(len(mrf.U), dtype=np.int64),
+                                np.zeros(len(mrf.U), dtype=bool), lazy))
+    starts += [search.tree_move(t, starts[0], condition=False)
+               for t in search.trees]
+    choice = min(starts, key=search.objective)
+  else:
+    choice = start.copy()
+  sweeps = search.improve(choice, progress=progress, lns=restarts)
+  # Iterated local search: restarts from scrambled layouts (a fixed seed, so
+  # the plan is the same on every host), as many as a small core makes cheap.
+  rng = np.random.default_rng(0)
+  best_obj = search.objective(choice)
+  for _ in range(min(16, 800 // max(len(core), 1)) if restarts else 0):
+    trial = choice.copy()
+    for g in core:
+      if rng.random() < 0.8:
+        trial[g] = rng.integers(mrf.K[g])
+    sweeps += search.improve(trial, lns=False)
+    obj = search.objective(trial)
+    if obj < best_obj - _EPS * max(1.0, abs(best_obj)):
+      choice, best_obj = trial, obj
+  return unfold(choice, folds), sweeps
+
+
+def _expand(prob: Problem, gchoice: np.ndarray) -> np.ndarray:
+  choice = np.zeros(len(prob.cands), dtype=np.int64)
+  for g, m in enumerate(prob.groups):
+    choice[m] = gchoice[g]
+  return choice
+
+
+def _groups_of(prob: Problem, choice: np.ndarray) -> np.ndarray:
+  return np.array([choice[m[0]] for m in prob.groups], dtype=np.int64)
+
+
+def objective(prob: Problem, choice, mem_weight: float = 0.0) -> float:
+  ch = np.asarray(choice, dtype=np.int64)
+  node = prob.compute_flat[prob.node_off + ch].sum()
+  if mem_weight:
+    node += mem_weight * prob.out_bytes_flat[prob.node_off + ch].sum()
+  return float(node + prob.edge_costs(ch).sum())
 
 
 def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
                        fixed_ops: Sequence[int] = (), mem_weight: float = 0.0,
                        progress: Callable[[str, int, float], None] | None = None,
-                       polish: Problem | None = None, polish_top: int = 8
-                       ) -> SearchResult:
-  """Runs CD from each seed; returns the best plan.
+                       polish: Problem | None = None) -> SearchResult:
+  """Runs the search from each seed; returns the best plan.
 
   ``seeds`` maps a seed name to {op id: candidate} for the ops it pins (the
   program's inputs, usually). Ops in ``fixed_ops`` keep their seed value for the
   whole search (used to score a hand plan); other seeded ops are freed after a
-  first descent with them pinned.
+  first search with them pinned. ``polish`` is the same problem with finer
+  coordinates (repeated blocks untied): every seed's result is refined on it.
   """
   t0 = time.perf_counter()
-  cd = _Cd(prob, mem_weight)
-  cache: dict = {}
-  trees = [_TreeMove(cd, "heavy", cache), _TreeMove(cd, "program", cache)]
-  n = len(prob.cands)
-  results: list[SearchResult] = []
-  for name, pins in seeds.items():
-    choice = np.zeros(n, dtype=np.int64)
-    fixed = np.zeros(n, dtype=bool)
-    for o, k in pins.items():
-      for m in prob.groups[prob.group_of[o]]:
-        choice[m] = k
-        fixed[m] = True
-    # Start from the best of: a greedy program-order fill, a lazy one
-    # (propagation), and exact solutions on spanning trees.
-    starts = [cd.fill(choice.copy(), fixed), cd.fill(choice.copy(), fixed,
-                                                     lazy=True)]
-    starts += [t.run(starts[0], fixed, condition=False) for t in trees]
-    choice = min(starts, key=cd.objective)
-    cb = None if progress is None else (lambda s, c, nm=name: progress(nm, s, c))
-    sweeps = _improve(cd, choice, fixed, trees, cb)
-    hard = np.zeros(n, dtype=bool)
-    hard[list(fixed_ops)] = True
-    if not (fixed == hard).all():
-      sweeps += _improve(cd, choice, hard, trees, cb)
-    results.append(SearchResult([int(c) for c in choice],
-                                cd.objective(choice), name, sweeps, 0.0))
-  results.sort(key=lambda r: r.objective)  # stable: seed order breaks ties
+  results: list[tuple[float, int, str, np.ndarray, int]] = []
+  hard = {int(prob.group_of[o]): seeds_first(seeds)[o] for o in fixed_ops}
+  for n, (name, pins) in enumerate(seeds.items()):
+    cb = None if progress is None else (
+        lambda s, c, nm=name: progress(nm, s, c))
+    gpins = {int(prob.group_of[o]): k for o, k in pins.items()}
+    gchoice, sweeps = _solve(prob, gpins, None, mem_weight, False, cb)
+    if len(hard) != len(gpins):
+      more, s2 = _solve(prob, hard, gchoice, mem_weight, False, cb)
+      sweeps += s2
+      if objective(prob, _expand(prob, more), mem_weight) <= objective(
+          prob, _expand(prob, gchoice), mem_weight):
+        gchoice = more
+    results.append((objective(prob, _expand(prob, gchoice), mem_weight), n,
+                    name, gchoice, sweeps))
+  obj, _, name, gchoice, sweeps = min(results, key=lambda r: r[:2])
+  # The winner gets restarts around it (iterated local search).
+  cb = None if progress is None else (
+      lambda s, c, nm=name: progress(nm, s, c))
+  final, s2 = _solve(prob, hard, gchoice, mem_weight, True, cb)
+  choice = _expand(prob, gchoice)
+  if objective(prob, _expand(prob, final), mem_weight) <= obj:
+    choice = _expand(prob, final)
+  sweeps += s2
   if polish is not None:
-    pcd = _Cd(polish, mem_weight)
-    ptrees = [_TreeMove(pcd, "heavy"), _TreeMove(pcd, "program")]
-    hard = np.zeros(n, dtype=bool)
-    hard[list(fixed_ops)] = True
-    polished = []
-    for r in results[:polish_top]:
-      choice = np.array(r.choice, dtype=np.int64)
-      sweeps = _improve(pcd, choice, hard, ptrees)
-      polished.append(SearchResult([int(c) for c in choice],
-                                   pcd.objective(choice), r.seed,
-                                   r.sweeps + sweeps, 0.0))
-    results = sorted(polished, key=lambda r: r.objective)
-  best = results[0]
-  best.seconds = time.perf_counter() - t0
-  return best
+    phard = {int(polish.group_of[o]): k for o, k in
+             ((o, seeds_first(seeds)[o]) for o in fixed_ops)}
+    pch, s3 = _solve(polish, phard, _groups_of(polish, choice), mem_weight,
+                     False, cb)
+    sweeps += s3
+    alt = _expand(polish, pch)
+    if objective(prob, alt, mem_weight) <= objective(prob, choice,
+                                                     mem_weight):
+      choice = alt
+  return SearchResult([int(c) for c in choice],
+                      objective(prob, choice, mem_weight), name, sweeps,
+                      time.perf_counter() - t0)
+
+
+def seeds_first(seeds: Mapping[str, Mapping[int, int]]) -> Mapping[int, int]:
+  """The pins of the first seed (where fixed ops take their values)."""
+  return next(iter(seeds.values()), {})
 
 
 def exact(prob: Problem, pins: Mapping[int, int] | None = None,
@@ -449,5 +608,5 @@ def exact(prob: Problem, pins: Mapping[int, int] | None = None,
     k = int(np.argmax(res.x[x_off[g]:x_off[g + 1]]))
     for o in m:
       choice[o] = k
-  obj = _Cd(prob).objective(np.array(choice))
-  return SearchResult(choice, obj, "exact", 0, time.perf_counter() - t0)
+  return SearchResult(choice, objective(prob, choice), "exact", 0,
+                      time.perf_counter() - t0)

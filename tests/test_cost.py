@@ -1,0 +1,75 @@
+import itertools
+import math
+
+import pytest
+from jax.sharding import AbstractMesh
+
+import autoddl_jax as ad
+from autoddl_jax._cluster import mesh_info
+from autoddl_jax._cost import one_axis, state_space, transition, valid_states
+from autoddl_jax._sbp import B_CODE as B, P_CODE as P
+
+A, BW, N, PP = 2e-6, 1e9, 4096.0, 4
+
+
+@pytest.mark.parametrize("src,dst,time,sent,kind", [
+    (0, 0, 0, 0, None),
+    (B, 0, 0, 0, None),
+    (B, P, 0, 0, None),
+    (0, B, A * 3 + 0.75 * N / BW, 0.75 * N, "all-gather"),
+    (P, 1, A * 3 + 0.75 * N / BW, 0.75 * N, "reduce-scatter"),
+    (P, B, 2 * A * 3 + 1.5 * N / BW, 1.5 * N, "all-reduce"),
+    (0, 1, A * 3 + 0.75 / 4 * N / BW, 0.75 / 4 * N, "all-to-all"),
+])
+def test_collective_cost_table(src, dst, time, sent, kind):
+  t, b, k = one_axis(src, dst, N, PP, A, BW)
+  assert t == pytest.approx(time) and b == pytest.approx(sent) and k == kind
+
+
+def test_size_one_axis_is_free():
+  assert one_axis(0, B, N, 1, A, BW)[:2] == (0.0, 0.0)
+
+
+def _mi(shape=(2, 4)):
+  c = ad.Cluster(devices_per_node=4, intra_node_bandwidth=4e9,
+                 inter_node_bandwidth=1e9, intra_node_latency=1e-6,
+                 inter_node_latency=1e-5)
+  return mesh_info(AbstractMesh(shape, ("x", "y")[:len(shape)]), c), c
+
+
+def test_multi_axis_transition_is_the_cheapest_order():
+  mi, c = _mi()
+  n = 8 * 16 * 4.0
+  # (S0, S0) -> (B, B): gather y first (group size n/2) then x, or x first.
+  y_then_x = (3 * 1e-6 + 0.75 * (n / 2) / 4e9) + (1e-5 + 0.5 * n / 1e9)
+  x_then_y = (1e-5 + 0.5 * (n / 4) / 1e9) + (3 * 1e-6 + 0.75 * n / 4e9)
+  t, _ = transition((0, 0), (B, B), n, (8, 16), mi)
+  assert t == pytest.approx(min(y_then_x, x_then_y))
+  # One axis differing: the other's split shrinks the group's bytes.
+  t, b = transition((0, 1), (0, B), n, (8, 16), mi)
+  assert b == pytest.approx(0.75 * n / 2)
+
+
+def test_state_space_respects_divisibility_and_local_bytes():
+  mi, _ = _mi()
+  sp = state_space((6, 8), 4, mi)
+  assert (0, -1) in sp.index and (0, 0) not in sp.index  # 6 % 8 != 0
+  assert (-1, 0) not in sp.index  # 6 % 4 != 0
+  assert (1, 1) in sp.index
+  assert sp.local_bytes[sp.index[(1, 1)]] == 6 * 8 * 4 / 8
+  assert sp.local_bytes[sp.index[(P, B)]] == 6 * 8 * 4
+  for s in valid_states((6, 8), mi.axis_sizes):
+    for d in range(2):
+      k = math.prod(sz for c, sz in zip(s, mi.axis_sizes) if c == d)
+      assert (6, 8)[d] % k == 0
+
+
+def test_transition_matrix_is_zero_on_the_diagonal_and_free_from_b():
+  mi, _ = _mi()
+  sp = state_space((8, 16), 4, mi)
+  for i, s in enumerate(sp.states):
+    assert sp.time[i, i] == 0
+    if all(c == B for c in s):
+      assert (sp.time[i] == 0).all()  # slicing / zeroing is local
+  # Every entry is finite (some path always exists).
+  assert all(math.isfinite(x) for x in sp.time.ravel())

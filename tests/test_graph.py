@@ -1,0 +1,103 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoddl_jax as ad
+from autoddl_jax._graph import INLINE, build_graph, eqn_flops
+from autoddl_jax._rules import Aval
+from conftest import TEST_CLUSTER
+from helpers import build, make_mesh, rel_err
+
+
+def _graph(fn, *args):
+  closed = jax.make_jaxpr(fn)(*args)
+  n_in = len(closed.jaxpr.invars)
+  return build_graph(closed, [f"in{i}" for i in range(n_in)],
+                     [f"out{i}" for i in range(len(closed.jaxpr.outvars))])
+
+
+@jax.custom_vjp
+def _sin(x):
+  return jnp.sin(x)
+
+
+_sin.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+
+
+def test_calls_are_opened():
+  @jax.jit
+  def inner(x):
+    return jax.nn.relu(x) + _sin(x)
+
+  def f(x):
+    return jax.checkpoint(lambda y: inner(y) * 2)(x).sum()
+
+  g = _graph(jax.value_and_grad(f), jnp.ones((4, 4)))
+  prims = {op.prim for op in g.ops}
+  assert not prims & INLINE
+  assert {"max", "sin", "mul", "reduce_sum"} <= prims
+  assert not g.unsupported
+
+
+def test_scan_body_is_walked_once_with_its_trip_count():
+  def f(w, x):
+    y, _ = jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)
+    return y.sum()
+
+  small = _graph(f, jnp.ones((3, 8, 8)), jnp.ones((4, 8)))
+  big = _graph(f, jnp.ones((48, 8, 8)), jnp.ones((4, 8)))
+  assert len(small.ops) == len(big.ops)
+  dots = [op for op in big.ops if op.prim == "dot_general"]
+  assert [op.weight for op in dots] == [48.0]
+  assert dots[0].flops == 2 * 4 * 8 * 8
+
+
+def test_cond_and_while_become_subgraphs():
+  def f(x):
+    y = jax.lax.cond(x.sum() > 0, lambda a: a * 2, lambda a: a + 1, x)
+    _, z = jax.lax.while_loop(lambda c: c[0] < 3,
+                              lambda c: (c[0] + 1, c[1] * 2), (0, y))
+    return z
+
+  g = _graph(f, jnp.ones((4,)))
+  halves = [op.prim for op in g.ops if op.kind == "eqn" and op.weight == 0.5]
+  assert sorted(halves) == ["add", "mul"]  # one op in each of two branches
+  assert [op.weight for op in g.ops if op.prim == "lt"] == [1.0]
+  assert sum(op.prim == "~merge" for op in g.ops) >= 3
+
+
+def test_flops():
+  a = Aval((4, 6), np.dtype(np.float32))
+  b = Aval((6, 8), np.dtype(np.float32))
+  o = Aval((4, 8), np.dtype(np.float32))
+  p = {"dimension_numbers": (((1,), (0,)), ((), ()))}
+  assert eqn_flops("dot_general", [a, b], [o], p) == 2 * 4 * 6 * 8
+  assert eqn_flops("exp", [a], [a], {}) == 24
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("model", ["mlp", "gpt_scan", "vgg", "moe"])
+def test_real_train_steps_need_no_fallback(model, opt):
+  tx = {"sgd": optax.sgd(0.1, momentum=0.9), "adam": optax.adam(1e-3),
+        "adamw": optax.adamw(1e-3)}[opt]
+  ex = build(model, optimizer=tx, abstract=True)
+  g = _graph(ex.step, *ex.args)
+  assert not g.unsupported
+
+
+def test_unsupported_primitive_falls_back_to_replicated_with_one_warning():
+  def f(a, x):
+    l = jnp.linalg.cholesky(a @ a.T + 4 * jnp.eye(8))
+    return (l @ x).sum()
+
+  a = jax.random.normal(jax.random.key(0), (8, 8))
+  x = jax.random.normal(jax.random.key(1), (8, 16))
+  with pytest.warns(ad.UnsupportedPrimitiveWarning, match="cholesky") as w:
+    plan = ad.plan(f, a, x, mesh=make_mesh((2, 4)), cluster=TEST_CLUSTER)
+  assert len([m for m in w if "cholesky" in str(m.message)]) == 1
+  assert rel_err(plan.jit()(a, x), f(a, x)) < 1e-5
+  assert "cholesky" in plan.explain()
