@@ -445,6 +445,9 @@ def _merge_repeated_params(groups, graph: OpGraph, tokens, min_repeats=4):
 
 def _setup(fn, args, mesh, cluster, tie_repeated: bool = True):
   cluster = H100_NODE if cluster is None else cluster
+  if isinstance(mesh, Mapping):
+    mesh = AbstractMesh(tuple(int(s) for s in mesh.values()),
+                        tuple(mesh.keys()))
   if not isinstance(cluster, Cluster):
     raise TypeError(f"cluster must be an autoddl_jax.Cluster, got "
                     f"{type(cluster).__name__}")
@@ -475,7 +478,7 @@ def _setup(fn, args, mesh, cluster, tie_repeated: bool = True):
       tied.untied = prob
       prob = tied
   state = set(out_to_in.values())
-  return cluster, mi, tr, graph, prob, state
+  return cluster, mesh, mi, tr, graph, prob, state
 
 
 def _pins_for(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
@@ -548,7 +551,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     A :class:`Plan`.
   """
   t0 = time.perf_counter()
-  cluster, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster)
+  cluster, mesh, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster)
   if memory_budget is not None and not memory_budget > 0:
     raise ValueError(f"memory_budget must be a positive number of bytes, got "
                      f"{memory_budget!r}")
@@ -654,7 +657,7 @@ def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
   boundary, which is what XLA's sharding propagation aims at too.
   """
   t0 = time.perf_counter()
-  cluster, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster,
+  cluster, mesh, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster,
                                                tie_repeated=False)
   ins = _flat_shardings(in_shardings, tr.in_tree, len(tr.in_avals),
                         "in_shardings")

@@ -122,6 +122,13 @@ def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
     c = _path_cost(src, dst, order, nbytes, shape, mi)
     if c[0] < best[0]:
       best = c
+  if best[0] == INF:
+    # Every direct order passes through a split that does not divide: gather
+    # to replicated first (always valid), then slice / zero locally.
+    mid = tuple(B for _ in src)
+    t1 = transition(src, mid, nbytes, shape, mi)
+    t2 = transition(mid, dst, nbytes, shape, mi)
+    best = (t1[0] + t2[0], t1[1] + t2[1])
   return best
 
 

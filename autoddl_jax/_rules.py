@@ -422,6 +422,16 @@ def _convert(ins, outs, params):
   return sigs
 
 
+def _replicated(ins, outs, params):
+  return [_all_b(ins, outs)]
+
+
+def _bitcast(ins, outs, params):
+  if ins[0].rank == outs[0].rank:  # same width: elementwise
+    return _elementwise(ins, outs, params)
+  return [_all_b(ins, outs)]
+
+
 def _clamp(ins, outs, params):
   return _elementwise(ins, outs, params)
 
@@ -470,6 +480,12 @@ RULES["dynamic_update_slice"] = _linear("PP" + "B" * 64)(_dynamic_update_slice)
 RULES["concatenate"] = _linear("P")(_concatenate)
 RULES["split"] = _linear("P")(_split)
 RULES["pad"] = _pad
+RULES["bitcast_convert_type"] = _bitcast
+# Random bits must come out identical to the unsharded program's: generated
+# replicated (jax's partitionable threefry is a config flag we do not assume).
+for _name in ("random_bits", "random_seed", "random_wrap", "random_unwrap",
+              "random_fold_in", "random_split", "threefry2x32"):
+  RULES[_name] = _replicated
 RULES["rev"] = _linear("P")(_rev)
 RULES["iota"] = _iota
 RULES["dot_general"] = _linear("PB", "BP")(_dot_general)

@@ -73,3 +73,16 @@ def test_transition_matrix_is_zero_on_the_diagonal_and_free_from_b():
       assert (sp.time[i] == 0).all()  # slicing / zeroing is local
   # Every entry is finite (some path always exists).
   assert all(math.isfinite(x) for x in sp.time.ravel())
+
+
+def test_transition_falls_back_through_replicated_when_no_order_divides():
+  mi, _ = _mi()
+  # (S0 over x, S1 over y) -> (S1 over x, S0 over y) on a (4, 4) tensor:
+  # either one-axis order splits a dim 8 ways on the way, so go through B.
+  shape, n = (4, 4), 64.0
+  sp = state_space(shape, 4, mi)
+  assert (0, 1) in sp.index and (1, 0) in sp.index
+  assert (1, 1) not in sp.index and (0, 0) not in sp.index
+  t, b = transition((0, 1), (1, 0), n, shape, mi)
+  gather = transition((0, 1), (B, B), n, shape, mi)
+  assert math.isfinite(t) and (t, b) == gather

@@ -1,0 +1,151 @@
+"""The public API: shapes of results, non-array leaves, and every error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+import autoddl_jax as ad
+from conftest import TEST_CLUSTER
+from helpers import build, make_mesh, rel_err
+
+
+def _mlp_step(w, x):
+  return jnp.tanh(x @ w).sum()
+
+
+W = jnp.ones((16, 32)) / 16
+X = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
+
+
+def test_public_face_is_small():
+  assert set(ad.__all__) == {
+      "B", "Cluster", "H100_NODE", "MemoryBudgetError", "NdSbp", "P", "Plan",
+      "PlanCost", "S", "Sbp", "UnsupportedPrimitiveWarning", "cost_of",
+      "hand_plan", "plan"}
+
+
+def test_plan_fields_and_explain():
+  mesh = make_mesh((2, 4))
+  ex = build("mlp")
+  plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=TEST_CLUSTER)
+  leaves = jax.tree.leaves(plan.in_shardings)
+  assert len(leaves) == len(jax.tree.leaves(ex.args))
+  assert all(isinstance(s, NamedSharding) and s.mesh == mesh for s in leaves)
+  assert jax.tree.structure(plan.out_shardings[0]) == jax.tree.structure(
+      ex.params)
+  c = plan.cost
+  assert c.time_s == pytest.approx(c.compute_s + c.comm_s)
+  assert c.comm_bytes >= 0 and c.memory_bytes > 0
+  text = plan.explain()
+  assert "[0]['w0']" in text and "PartitionSpec" in text and "nd-SBP" in text
+  lowered = plan.jit().lower(*ex.args)  # jit() supports .lower
+  assert lowered.compile() is not None
+
+
+def test_auto_axes_mesh_works_too():
+  mesh = make_mesh((2, 4), explicit=False)
+  plan = ad.plan(_mlp_step, W, X, mesh=mesh, cluster=TEST_CLUSTER)
+  assert rel_err(plan.jit()(W, X), _mlp_step(W, X)) < 1e-5
+
+
+def test_shapes_the_mesh_cannot_split_are_never_split():
+  w = jnp.ones((3, 5)) / 3
+  x = jnp.ones((7, 3))
+  plan = ad.plan(_mlp_step, w, x, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER)
+  assert all(s.spec == P() for s in jax.tree.leaves(plan.in_shardings))
+  assert rel_err(plan.jit()(w, x), _mlp_step(w, x)) < 1e-5
+
+
+def test_non_array_leaves_are_handled():
+  def step(params, batch, lr, key, nothing, ids):
+    noise = jax.random.normal(key, batch.shape) * 0.0
+    emb = params["emb"][ids]
+    loss = ((batch + noise) @ params["w"]).sum() + emb.sum()
+    g = jax.grad(lambda p: ((batch @ p["w"]).sum() + p["emb"][ids].sum()))(
+        params)
+    return jax.tree.map(lambda p, g: p - lr * g, params, g), loss
+
+  params = {"w": W, "emb": jnp.ones((64, 4))}
+  ids = jnp.arange(8, dtype=jnp.int32)
+  args = (params, X, 0.1, jax.random.key(0), None, ids)
+  plan = ad.plan(step, *args, mesh=make_mesh((8,)), cluster=TEST_CLUSTER)
+  names = plan._traced.in_names
+  specs = dict(zip(names, (s.spec for s in jax.tree.leaves(
+      plan.in_shardings))))
+  assert specs["[2]"] == P() and specs["[3]"] == P()  # scalar, PRNG key
+  got = plan.jit()(*args)
+  want = jax.jit(step)(*args)
+  assert rel_err(got[1], want[1]) < 1e-5
+  for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+    assert rel_err(a, b) < 1e-5
+
+
+def test_abstract_mesh_plans_but_cannot_run():
+  am = AbstractMesh((128, 8), ("data", "model"))
+  ex = build("mlp", abstract=True)
+  plan = ad.plan(ex.step, *ex.args, mesh=am)
+  assert plan.mesh_info.link == ("inter", "intra")
+  with pytest.raises(ValueError, match="abstract mesh.*concrete"):
+    plan.jit()
+  plan2 = ad.plan(ex.step, *ex.args, mesh={"data": 2, "model": 4})
+  with pytest.raises(ValueError, match="needs devices"):
+    plan2.jit()
+
+
+def test_mesh_larger_than_the_devices_is_refused():
+  devices = np.array(jax.devices() * 2).reshape(4, 4)
+  with pytest.raises(ValueError):
+    mesh = jax.sharding.Mesh(devices, ("a", "b"))
+    ad.plan(_mlp_step, W, X, mesh=mesh)
+
+
+def test_args_that_do_not_match_fn():
+  with pytest.raises(TypeError, match="tracing _mlp_step .* failed"):
+    ad.plan(_mlp_step, W, jnp.ones((8, 7)), mesh=make_mesh((8,)))
+  with pytest.raises(TypeError, match="tracing _mlp_step .* failed"):
+    ad.plan(_mlp_step, W, mesh=make_mesh((8,)))
+
+
+def test_non_array_leaf_error_names_the_leaf():
+  with pytest.raises(TypeError, match=r"leaf \[1\]\['mode'\] is a str"):
+    ad.plan(lambda w, cfg: w.sum(), W, {"mode": "fast"},
+            mesh=make_mesh((8,)))
+  with pytest.raises(TypeError, match="fn must be callable"):
+    ad.plan("step", W, mesh=make_mesh((8,)))
+
+
+def test_bad_options():
+  with pytest.raises(ValueError, match="memory_budget must be a positive"):
+    ad.plan(_mlp_step, W, X, mesh=make_mesh((8,)), memory_budget=-5)
+  with pytest.raises(TypeError, match="cluster must be an autoddl_jax"):
+    ad.plan(_mlp_step, W, X, mesh=make_mesh((8,)), cluster={"bw": 1})
+
+
+def test_cost_of_scores_hand_plans_and_checks_them():
+  mesh = make_mesh((2, 4))
+  dp = (P(), P(("data", "model")))
+  cost = ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=dp,
+                    cluster=TEST_CLUSTER)
+  assert isinstance(cost, ad.PlanCost) and cost.time_s > 0
+  rep = ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=None,
+                   cluster=TEST_CLUSTER)
+  assert rep.memory_bytes > cost.memory_bytes
+  with pytest.raises(ValueError, match="does not divide"):
+    ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=(P(), P(None, "x"))
+               if False else (P("data", "model"), P(None, ("data", "model")))
+               , cluster=TEST_CLUSTER) if False else ad.cost_of(
+        _mlp_step, jnp.ones((3, 32)), jnp.ones((8, 3)), mesh=mesh,
+        in_shardings=(P("data"), P()))
+  with pytest.raises(ValueError, match="does not have"):
+    ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=(P("x"), P()))
+  with pytest.raises(ValueError, match="pytree shaped like the arguments"):
+    ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=(P(), P(), P()))
+  with pytest.raises(ValueError, match="mesh axes"):
+    other = jax.make_mesh((8,), ("z",))
+    ad.cost_of(_mlp_step, W, X, mesh=mesh,
+               in_shardings=(NamedSharding(other, P()), P()))
+  with pytest.raises(TypeError, match="NamedSharding, PartitionSpec or None"):
+    ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=("data", P()))
