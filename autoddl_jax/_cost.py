@@ -132,6 +132,38 @@ def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
   return best
 
 
+def _one_axis_vec(s, d, n, p, alpha, beta):
+  """:func:`one_axis` over arrays of (src, dst) codes and group bytes."""
+  if p == 1:
+    return np.zeros(s.shape), np.zeros(s.shape)
+  frac = (p - 1) / p
+  gather_t = alpha * (p - 1) + frac * n / beta
+  t = np.zeros(s.shape)
+  b = np.zeros(s.shape)
+  moving = s != d
+  from_p = moving & (s == P)
+  ar = from_p & (d == B)
+  rs = from_p & (d >= 0)
+  split = moving & (s >= 0)
+  a2a = split & (d >= 0)
+  ag = split & (d < 0)  # to B, or to P through B
+  t = np.where(ar, 2 * gather_t, t)
+  b = np.where(ar, 2 * frac * n, b)
+  t = np.where(rs | ag, gather_t, t)
+  b = np.where(rs | ag, frac * n, b)
+  t = np.where(a2a, alpha * (p - 1) + frac / p * n / beta, t)
+  b = np.where(a2a, frac / p * n, b)
+  return t, b
+
+
+def _divides_vec(codes, shape, sizes):
+  ok = np.ones(codes.shape[:-1], dtype=bool)
+  for d in range(len(shape)):
+    k = np.where(codes == d, sizes, 1.0).prod(axis=-1)
+    ok &= (shape[d] % k) == 0
+  return ok
+
+
 class StateSpace:
   """The valid nd-SBPs of one tensor type and the transition costs among them."""
 
@@ -147,15 +179,45 @@ class StateSpace:
     self._bytes: np.ndarray | None = None
 
   def _build(self):
-    n = len(self.states)
-    t = np.zeros((n, n))
-    b = np.zeros((n, n))
-    for i, s in enumerate(self.states):
-      for j, d in enumerate(self.states):
-        if i != j:
-          t[i, j], b[i, j] = transition(s, d, self.nbytes, self.shape,
-                                        self._mi)
-    self._time, self._bytes = t, b
+    """All-pairs transition costs, vectorized over pairs for each axis order
+    (the same numbers as :func:`transition`, which stays the reference)."""
+    mi = self._mi
+    st = np.array(self.states, dtype=np.int64).reshape(len(self.states), -1)
+    n, n_axes = st.shape
+    sizes = np.array(mi.axis_sizes, dtype=np.float64)
+    shape = np.array(self.shape, dtype=np.int64)
+    best_t = np.full((n, n), INF)
+    best_b = np.full((n, n), INF)
+    src = np.broadcast_to(st[:, None, :], (n, n, n_axes))
+    dst = np.broadcast_to(st[None, :, :], (n, n, n_axes))
+    for order in itertools.permutations(range(n_axes)):
+      cur = src.copy()
+      t = np.zeros((n, n))
+      b = np.zeros((n, n))
+      ok = np.ones((n, n), dtype=bool)
+      for a in order:
+        split_other = np.where((cur >= 0) & (np.arange(n_axes) != a),
+                               sizes, 1.0).prod(axis=-1)
+        nb = self.nbytes / split_other
+        s_, d_ = cur[..., a], dst[..., a]
+        dt, db = _one_axis_vec(s_, d_, nb, int(sizes[a]), mi.alpha[a],
+                               mi.beta[a])
+        t += dt
+        b += db
+        cur[..., a] = d_
+        ok &= _divides_vec(cur, shape, sizes)
+      better = ok & (t < best_t)
+      best_t = np.where(better, t, best_t)
+      best_b = np.where(better, b, best_b)
+    # No order keeps every step divisible: gather to replicated, then slice.
+    bad = ~np.isfinite(best_t)
+    if bad.any():
+      rep = self.index[tuple(B for _ in range(n_axes))]
+      best_t = np.where(bad, best_t[:, rep][:, None], best_t)
+      best_b = np.where(bad, best_b[:, rep][:, None], best_b)
+    np.fill_diagonal(best_t, 0.0)
+    np.fill_diagonal(best_b, 0.0)
+    self._time, self._bytes = best_t, best_b
 
   @property
   def time(self) -> np.ndarray:

@@ -77,6 +77,16 @@ class Mrf:
       self.adj[a].add(b)
       self.adj[b].add(a)
 
+  def copy(self) -> Mrf:
+    """A copy that eliminations may change (arrays are never mutated in
+    place, so they are shared)."""
+    new = object.__new__(Mrf)
+    new.prob, new.K = self.prob, self.K
+    new.U = list(self.U)
+    new.M = dict(self.M)
+    new.adj = [set(a) for a in self.adj]
+    return new
+
   def add_pair(self, a: int, b: int, m: np.ndarray):
     if a > b:
       a, b, m = b, a, m.T
@@ -256,29 +266,8 @@ class _Core:
         tree.add((a, b))
         adj[a].append(b)
         adj[b].append(a)
-    return tree, adj
-
-  def tree_move(self, tree, choice: np.ndarray, hold=(),
-                condition: bool = True) -> np.ndarray:
-    """Exact DP over a spanning tree; off-tree edges held at ``choice``."""
-    mrf = self.mrf
-    edges, adj = tree
-    hold = set(hold)
-    unary = {}
-    for g in self.core:
-      u = mrf.U[g].copy()
-      if g in hold:
-        keep = u[choice[g]]
-        u[:] = np.inf
-        u[choice[g]] = keep
-      unary[g] = u
-    if condition:
-      for (a, b), m in mrf.M.items():
-        if (a, b) not in edges:
-          unary[a] = unary[a] + 0.5 * m[:, choice[b]]
-          unary[b] = unary[b] + 0.5 * m[choice[a], :]
-    new = choice.copy()
-    seen = set()
+    # Breadth-first order and parents of each component, computed once.
+    orders, seen = [], set()
     for root in self.core:
       if root in seen:
         continue
@@ -293,14 +282,35 @@ class _Core:
             seen.add(w)
             par[w] = v
             order.append(w)
+      orders.append((order, par))
+    return tree, orders
+
+  def tree_move(self, tree, choice: np.ndarray, hold=(),
+                condition: bool = True) -> np.ndarray:
+    """Exact DP over a spanning tree; off-tree edges held at ``choice``."""
+    mrf = self.mrf
+    edges, orders = tree
+    hold = set(hold)
+    unary = {g: mrf.U[g] for g in self.core}
+    for g in hold:
+      u = np.full_like(unary[g], np.inf)
+      u[choice[g]] = unary[g][choice[g]]
+      unary[g] = u
+    if condition:
+      for (a, b), m in mrf.M.items():
+        if (a, b) not in edges:
+          unary[a] = unary[a] + 0.5 * m[:, choice[b]]
+          unary[b] = unary[b] + 0.5 * m[choice[a], :]
+    new = choice.copy()
+    for order, par in orders:
       acc = {v: unary[v] for v in order}
       back = {}
       for v in reversed(order[1:]):
         u = par[v]
         tot = mrf.pair(u, v) + acc[v][None, :]
-        back[v] = np.argmin(tot, axis=1)
-        acc[u] = acc[u] + tot[np.arange(tot.shape[0]), back[v]]
-      new[root] = int(np.argmin(acc[root]))
+        back[v] = b = tot.argmin(axis=1)
+        acc[u] = acc[u] + tot[np.arange(tot.shape[0]), b]
+      new[order[0]] = int(acc[order[0]].argmin())
       for v in order[1:]:
         new[v] = back[v][new[par[v]]]
     return new
@@ -388,13 +398,16 @@ class _Core:
     return improved
 
   def improve(self, choice: np.ndarray, max_rounds: int = 30,
-              progress=None, lns: bool = True) -> int:
+              progress=None, effort: int = 2) -> int:
+    """Moves until none helps. ``effort`` 0: descent and conditioned tree
+    moves; 1: also unconditioned tree moves and block moves; 2: also
+    neighbourhood moves."""
     sweeps = self.descend(choice)
     best = self.objective(choice)
     for _ in range(max_rounds):
       improved = False
-      for tree in self.trees:
-        for condition in (True, False):
+      for tree in (self.trees if effort >= 1 else self.trees[1:]):
+        for condition in ((True, False) if effort >= 1 else (True,)):
           cand = self.tree_move(tree, choice, condition=condition)
           obj = self.objective(cand)
           if obj < best - _EPS * max(1.0, abs(best)):
@@ -402,11 +415,11 @@ class _Core:
             sweeps += self.descend(choice)
             best = self.objective(choice)
             improved = True
-      if not improved and self.block_moves(choice):
+      if not improved and effort >= 1 and self.block_moves(choice):
         self.descend(choice)
         best = self.objective(choice)
         improved = True
-      if not improved and lns:
+      if not improved and effort >= 2:
         improved = self.neighbourhood_moves(choice)
         best = self.objective(choice)
       if progress is not None:
@@ -416,12 +429,13 @@ class _Core:
     return sweeps
 
 
-def _solve(prob: Problem, pins: Mapping[int, int], start: np.ndarray | None,
-           mem_weight: float, restarts: bool, progress=None):
+def _solve(prob: Problem, base: Mrf, pins: Mapping[int, int],
+           start: np.ndarray | None, restarts: bool, progress=None):
   """One search: eliminate around ``pins`` (group -> value), search the core
   from ``start`` (or a greedy fill), unfold. Returns group choices.
-  ``restarts`` adds the expensive moves: neighbourhood moves and restarts."""
-  mrf = Mrf(prob, mem_weight)
+  ``restarts`` adds the expensive moves: unconditioned tree moves, block and
+  neighbourhood moves, and restarts."""
+  mrf = base.copy()
   is_param = [any(prob.graph.ops[o].kind == "input" for o in m)
               for m in prob.groups]
   core, folds = eliminate(mrf, pins)
@@ -436,17 +450,18 @@ def _solve(prob: Problem, pins: Mapping[int, int], start: np.ndarray | None,
     choice = min(starts, key=search.objective)
   else:
     choice = start.copy()
-  sweeps = search.improve(choice, progress=progress, lns=restarts)
+  sweeps = search.improve(choice, progress=progress,
+                          effort=2 if restarts else 0)
   # Iterated local search: restarts from scrambled layouts (a fixed seed, so
   # the plan is the same on every host), as many as a small core makes cheap.
   rng = np.random.default_rng(0)
   best_obj = search.objective(choice)
-  for _ in range(min(16, 800 // max(len(core), 1)) if restarts else 0):
+  for _ in range(min(32, 1600 // max(len(core), 1)) if restarts else 0):
     trial = choice.copy()
     for g in core:
       if rng.random() < 0.8:
         trial[g] = rng.integers(mrf.K[g])
-    sweeps += search.improve(trial, lns=False)
+    sweeps += search.improve(trial, effort=1)
     obj = search.objective(trial)
     if obj < best_obj - _EPS * max(1.0, abs(best_obj)):
       choice, best_obj = trial, obj
@@ -485,15 +500,16 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
   coordinates (repeated blocks untied): every seed's result is refined on it.
   """
   t0 = time.perf_counter()
+  base = Mrf(prob, mem_weight)
   results: list[tuple[float, int, str, np.ndarray, int]] = []
   hard = {int(prob.group_of[o]): seeds_first(seeds)[o] for o in fixed_ops}
   for n, (name, pins) in enumerate(seeds.items()):
     cb = None if progress is None else (
         lambda s, c, nm=name: progress(nm, s, c))
     gpins = {int(prob.group_of[o]): k for o, k in pins.items()}
-    gchoice, sweeps = _solve(prob, gpins, None, mem_weight, False, cb)
+    gchoice, sweeps = _solve(prob, base, gpins, None, False, cb)
     if len(hard) != len(gpins):
-      more, s2 = _solve(prob, hard, gchoice, mem_weight, False, cb)
+      more, s2 = _solve(prob, base, hard, gchoice, False, cb)
       sweeps += s2
       if objective(prob, _expand(prob, more), mem_weight) <= objective(
           prob, _expand(prob, gchoice), mem_weight):
@@ -504,7 +520,7 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
   # The winner gets restarts around it (iterated local search).
   cb = None if progress is None else (
       lambda s, c, nm=name: progress(nm, s, c))
-  final, s2 = _solve(prob, hard, gchoice, mem_weight, True, cb)
+  final, s2 = _solve(prob, base, hard, gchoice, True, cb)
   choice = _expand(prob, gchoice)
   if objective(prob, _expand(prob, final), mem_weight) <= obj:
     choice = _expand(prob, final)
@@ -512,8 +528,8 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
   if polish is not None:
     phard = {int(polish.group_of[o]): k for o, k in
              ((o, seeds_first(seeds)[o]) for o in fixed_ops)}
-    pch, s3 = _solve(polish, phard, _groups_of(polish, choice), mem_weight,
-                     False, cb)
+    pch, s3 = _solve(polish, Mrf(polish, mem_weight), phard,
+                     _groups_of(polish, choice), False, cb)
     sweeps += s3
     alt = _expand(polish, pch)
     if objective(prob, alt, mem_weight) <= objective(prob, choice,

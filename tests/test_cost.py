@@ -86,3 +86,17 @@ def test_transition_falls_back_through_replicated_when_no_order_divides():
   t, b = transition((0, 1), (1, 0), n, shape, mi)
   gather = transition((0, 1), (B, B), n, shape, mi)
   assert math.isfinite(t) and (t, b) == gather
+
+
+@pytest.mark.parametrize("shape,mesh", [((8, 16), (2, 4)), ((4, 4), (2, 4)),
+                                        ((6, 8, 4), (2, 2, 2)), ((8,), (8,))])
+def test_vectorized_matrix_matches_the_reference_transition(shape, mesh):
+  names = ("x", "y", "z")[:len(mesh)]
+  c = ad.Cluster(devices_per_node=4)
+  mi = mesh_info(AbstractMesh(mesh, names), c)
+  sp = state_space(shape, 2, mi)
+  for i, s in enumerate(sp.states):
+    for j, d in enumerate(sp.states):
+      t, b = transition(s, d, sp.nbytes, shape, mi)
+      assert sp.time[i, j] == pytest.approx(t, rel=1e-12, abs=1e-18)
+      assert sp.bytes[i, j] == pytest.approx(b, rel=1e-12, abs=1e-18)

@@ -1,0 +1,66 @@
+"""How long planning takes: a 12-layer GPT (d_model 768) on a (2, 4) mesh and a
+96-layer GPT (d_model 12288, layers in lax.scan) on 1024 devices (128 nodes x 8),
+planned abstractly (shapes only, nothing allocated).
+
+    python benchmarks/plan_time.py
+
+Prints one table: model, mesh, layers, ops in the graph, coordinates searched,
+seconds to plan (trace + graph + search), predicted step time and memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from jax.sharding import AbstractMesh  # noqa: E402
+
+import autoddl_jax as ad  # noqa: E402
+from autoddl_jax import models  # noqa: E402
+
+CASES = [
+    # name, config, mesh shape, mesh axes, concrete mesh?
+    ("GPT-12 d768 scan", models.GptConfig(
+        vocab=32768, d_model=768, n_heads=12, n_layers=12, seq=1024, batch=32,
+        scan=True), (2, 4), ("data", "model")),
+    ("GPT-12 d768 unrolled", models.GptConfig(
+        vocab=32768, d_model=768, n_heads=12, n_layers=12, seq=1024, batch=32,
+        scan=False), (2, 4), ("data", "model")),
+    ("GPT-96 d12288 scan", models.GptConfig(
+        vocab=51200, d_model=12288, n_heads=96, n_layers=96, seq=2048,
+        batch=1024, scan=True, dtype=jax.numpy.bfloat16), (128, 8),
+     ("data", "model")),
+]
+
+
+def main():
+  # Warm JAX's tracing machinery up once, so the first row is not charged
+  # with it (a cold first call costs about a second more).
+  warm = models.mlp(abstract=True)
+  ad.plan(warm.step, *warm.args, mesh=AbstractMesh((2, 4), ("data", "model")))
+  rows = [("model", "mesh", "ops", "coords", "plan s", "step ms (pred)",
+           "memory/device")]
+  for name, cfg, shape, axes in CASES:
+    ex = models.gpt(cfg, abstract=True)
+    mesh = AbstractMesh(shape, axes)
+    t0 = time.perf_counter()
+    plan = ad.plan(ex.step, *ex.args, mesh=mesh)
+    dt = time.perf_counter() - t0
+    rows.append((name, "x".join(map(str, shape)), str(len(plan.graph.ops)),
+                 str(len(plan.problem.groups)), f"{dt:.2f}",
+                 f"{plan.cost.time_s * 1e3:.1f}",
+                 f"{plan.cost.memory_bytes / 2**30:.1f} GiB"))
+    print(f"{name}: {dt:.2f} s", flush=True)
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  for r in rows:
+    print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+  main()
