@@ -34,7 +34,8 @@ import numpy as np
 from autoddl_jax._problem import Problem
 
 _EPS = 1e-12
-_MAX_FOLD = 4_000_000  # largest K_a*K_v*K_b tensor a degree-2 fold may build
+_MAX_FOLD = 4_000_000
+_STALE_RESTARTS = 16  # restarts stop after this many fail in a row  # largest K_a*K_v*K_b tensor a degree-2 fold may build
 
 
 @dataclasses.dataclass
@@ -456,6 +457,7 @@ def _solve(prob: Problem, base: Mrf, pins: Mapping[int, int],
   # the plan is the same on every host), as many as a small core makes cheap.
   rng = np.random.default_rng(0)
   best_obj = search.objective(choice)
+  stale = 0
   for _ in range(min(32, 1600 // max(len(core), 1)) if restarts else 0):
     trial = choice.copy()
     for g in core:
@@ -464,7 +466,11 @@ def _solve(prob: Problem, base: Mrf, pins: Mapping[int, int],
     sweeps += search.improve(trial, effort=1)
     obj = search.objective(trial)
     if obj < best_obj - _EPS * max(1.0, abs(best_obj)):
-      choice, best_obj = trial, obj
+      choice, best_obj, stale = trial, obj, 0
+    else:
+      stale += 1
+      if stale >= _STALE_RESTARTS:
+        break
   return unfold(choice, folds), sweeps
 
 
@@ -490,7 +496,8 @@ def objective(prob: Problem, choice, mem_weight: float = 0.0) -> float:
 def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
                        fixed_ops: Sequence[int] = (), mem_weight: float = 0.0,
                        progress: Callable[[str, int, float], None] | None = None,
-                       polish: Problem | None = None) -> SearchResult:
+                       polish: Problem | None = None,
+                       finalists: int = 2) -> SearchResult:
   """Runs the search from each seed; returns the best plan.
 
   ``seeds`` maps a seed name to {op id: candidate} for the ops it pins (the
@@ -516,15 +523,19 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
         gchoice = more
     results.append((objective(prob, _expand(prob, gchoice), mem_weight), n,
                     name, gchoice, sweeps))
-  obj, _, name, gchoice, sweeps = min(results, key=lambda r: r[:2])
-  # The winner gets restarts around it (iterated local search).
-  cb = None if progress is None else (
-      lambda s, c, nm=name: progress(nm, s, c))
-  final, s2 = _solve(prob, base, hard, gchoice, True, cb)
+  # The best ``finalists`` seeds get the expensive moves and restarts.
+  best_obj, best = np.inf, None
+  for obj, _, name, gchoice, sweeps in sorted(results,
+                                              key=lambda r: r[:2])[:finalists]:
+    cb = None if progress is None else (
+        lambda s, c, nm=name: progress(nm, s, c))
+    final, s2 = _solve(prob, base, hard, gchoice, True, cb)
+    fobj = objective(prob, _expand(prob, final), mem_weight)
+    cand = (final, fobj) if fobj <= obj else (gchoice, obj)
+    if best is None or cand[1] < best_obj - _EPS * max(1.0, abs(best_obj)):
+      best_obj, best = cand[1], (name, cand[0], sweeps + s2)
+  name, gchoice, sweeps = best
   choice = _expand(prob, gchoice)
-  if objective(prob, _expand(prob, final), mem_weight) <= obj:
-    choice = _expand(prob, final)
-  sweeps += s2
   if polish is not None:
     phard = {int(polish.group_of[o]): k for o, k in
              ((o, seeds_first(seeds)[o]) for o in fixed_ops)}

@@ -90,6 +90,11 @@ PROGRAMS = {
         x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
                         jax.grad(lambda x: _pool(x).sum())(x)],
              [f32(2, 4, 4, 2)]),
+    "random": (lambda x, key: [
+        x + jax.random.normal(jax.random.fold_in(key, 3), x.shape),
+        jax.random.split(key, 2), lax.bitcast_convert_type(x, jnp.int32),
+        jax.random.key(7), jax.random.wrap_key_data(
+            jax.random.key_data(key) + 1)], [f32(4, 6), jax.random.key(0)]),
     "gather": (lambda t, ids, lg, lab: [
         t[ids], jnp.take_along_axis(lg, lab[:, None], axis=1),
         *jax.grad(lambda t, lg: t[ids].sum() + jnp.take_along_axis(
@@ -154,6 +159,8 @@ def _spec(code, rank):
 
 
 def _close(got, want):
+  if jax.dtypes.issubdtype(getattr(want, "dtype", None), jax.dtypes.prng_key):
+    got, want = jax.random.key_data(got), jax.random.key_data(want)
   got, want = np.asarray(got), np.asarray(want)
   if np.issubdtype(want.dtype, np.floating):
     np.testing.assert_allclose(got.astype(np.float32),
@@ -265,6 +272,6 @@ def test_every_primitive_with_a_rule_is_exercised_here():
                   "asinh", "atan", "atanh", "cbrt", "cosh", "sinh", "tan",
                   "exp2", "nextafter", "xor", "scatter_add", "reduce_window",
                   "reduce_window_min", "select_and_gather_add", "cummin",
-                  "expand_dims", "or"}
+                  "expand_dims", "or", "threefry2x32"}
   untested = set(_rules.RULES) - exercised - not_produced
   assert not untested, sorted(untested)
