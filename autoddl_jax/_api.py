@@ -302,7 +302,7 @@ class Plan:
     return _lower.Pins(mesh, outputs, inputs, bodies)
 
   def jit(self, *, pin_inputs: bool = True, **jit_kwargs) -> Any:
-    """The planned step as a ``jax.jit`` function (supports ``.lower``).
+    """The planned step as a ``jax.jit`` function (call it, or ``.lower``).
 
     ``pin_inputs`` also pins each op's operands where the plan reshards them
     (else only op results are pinned and XLA picks where to reshard).
@@ -311,9 +311,13 @@ class Plan:
     tr = self._traced
     fn = _lower.planned_function(tr.closed, tr.in_tree, tr.out_tree,
                                  self._pins(mesh, pin_inputs))
-    return jax.jit(fn, in_shardings=self._shard_tree(self.in_specs, mesh),
-                   out_shardings=self._shard_tree(self.out_specs, mesh),
-                   **jit_kwargs)
+    in_sh = self._shard_tree(self.in_specs, mesh)
+    jitted = jax.jit(fn, in_shardings=in_sh,
+                     out_shardings=self._shard_tree(self.out_specs, mesh),
+                     **jit_kwargs)
+    if all(t == AxisType.Auto for t in getattr(self.mesh, "axis_types", ())):
+      return jitted
+    return _OnAutoAxes(jitted, in_sh)
 
   # -------------------------------------------------------------- explain
   def transitions(self) -> list[dict[str, Any]]:
@@ -380,6 +384,36 @@ class Plan:
     c = self.cost
     return (f"Plan(time_s={c.time_s:.4g}, comm_bytes={c.comm_bytes:.4g}, "
             f"memory_bytes={c.memory_bytes:.4g})")
+
+
+class _OnAutoAxes:
+  """A planned step for a mesh with Explicit axes.
+
+  The plan is lowered on the same devices viewed as Auto axes (sharding
+  constraints need them). Arrays placed on the Explicit mesh carry that mesh
+  in their types, so they are re-viewed on the Auto mesh first -- same
+  devices, same layout, no data moves.
+  """
+
+  def __init__(self, jitted, in_shardings):
+    self._jitted = jitted
+    self._in = in_shardings
+
+  def _retype(self, args):
+    def one(x, s):
+      if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+      if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) \
+          and x.sharding.mesh != s.mesh:
+        return jax.device_put(x, s)
+      return x
+    return jax.tree_util.tree_map(one, tuple(args), self._in)
+
+  def __call__(self, *args):
+    return self._jitted(*self._retype(args))
+
+  def lower(self, *args):
+    return self._jitted.lower(*self._retype(args))
 
 
 def _itemsize(a) -> int:

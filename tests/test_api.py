@@ -44,6 +44,20 @@ def test_plan_fields_and_explain():
   assert lowered.compile() is not None
 
 
+def test_arrays_placed_on_the_plans_shardings_run_as_is():
+  for explicit in (True, False):
+    mesh = make_mesh((2, 4), explicit=explicit)
+    ex = build("mlp")
+    plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=TEST_CLUSTER)
+    placed = jax.device_put(ex.args, plan.in_shardings)
+    out = plan.jit()(*placed)
+    assert rel_err(out[2], jax.jit(ex.step)(*ex.args)[2]) < 1e-5
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        placed)
+    assert plan.jit().lower(*abstract).compile() is not None
+
+
 def test_auto_axes_mesh_works_too():
   mesh = make_mesh((2, 4), explicit=False)
   plan = ad.plan(_mlp_step, W, X, mesh=mesh, cluster=TEST_CLUSTER)
