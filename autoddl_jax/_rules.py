@@ -104,7 +104,9 @@ def _linear(*patterns: str) -> Callable[[Rule], Rule]:
   """Adds partial-sum signatures to a rule.
 
   Each pattern has one char per input: 'P' (partial), 'B' (replicated), '*'
-  (P if the input is a float array, else B). The output is P.
+  (P if the input is a float array, else B); its last char repeats for any
+  further inputs ("BP": a predicate, then any number of partial cases). The
+  output is P.
   """
 
   def wrap(rule: Rule) -> Rule:
@@ -114,7 +116,7 @@ def _linear(*patterns: str) -> Callable[[Rule], Rule]:
       if not all(o.is_float for o in outs):
         return sigs
       for pat in patterns:
-        pat = pat if len(pat) == len(ins) else pat[0] * len(ins)
+        pat = (pat + pat[-1] * len(ins))[:len(ins)]
         codes = []
         for ch, a in zip(pat, ins):
           codes.append(P if ch == "P" or (ch == "*" and a.is_float and a.rank)
@@ -457,10 +459,10 @@ for _name in ("add", "sub", "add_any"):
   RULES[_name] = _linear("PP")(_elementwise)
 RULES["mul"] = _linear("PB", "BP")(_elementwise)
 RULES["div"] = _linear("PB")(_elementwise)
-RULES["select_n"] = _linear("B" + "P" * 64)(_elementwise)
+RULES["select_n"] = _linear("BP")(_elementwise)
 RULES["clamp"] = _clamp
 RULES["convert_element_type"] = _convert
-RULES["broadcast_in_dim"] = _linear("P")(_broadcast_in_dim)
+RULES["broadcast_in_dim"] = _linear("PB")(_broadcast_in_dim)
 RULES["reshape"] = _linear("P")(_reshape)
 RULES["transpose"] = _linear("P")(_transpose)
 RULES["squeeze"] = _linear("P")(_squeeze)
@@ -475,8 +477,8 @@ for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
 RULES["sort"] = _along_axis("dimension")
 RULES["top_k"] = _top_k
 RULES["slice"] = _linear("P")(_slice)
-RULES["dynamic_slice"] = _linear("P" + "B" * 64)(_dynamic_slice)
-RULES["dynamic_update_slice"] = _linear("PP" + "B" * 64)(_dynamic_update_slice)
+RULES["dynamic_slice"] = _linear("PB")(_dynamic_slice)
+RULES["dynamic_update_slice"] = _linear("PPB")(_dynamic_update_slice)
 RULES["concatenate"] = _linear("P")(_concatenate)
 RULES["split"] = _linear("P")(_split)
 RULES["pad"] = _pad
@@ -492,7 +494,7 @@ RULES["dot_general"] = _linear("PB", "BP")(_dot_general)
 RULES["conv_general_dilated"] = _linear("PB", "BP")(_conv)
 RULES["reduce_window_max"] = _reduce_window
 RULES["reduce_window_min"] = _reduce_window
-RULES["reduce_window_sum"] = _linear("P")(_reduce_window)
+RULES["reduce_window_sum"] = _linear("PB")(_reduce_window)
 RULES["reduce_window"] = _reduce_window
 RULES["select_and_scatter_add"] = _linear("PB")(_select_and_scatter_add)
 RULES["select_and_gather_add"] = _linear("PB")(_select_and_gather_add)

@@ -75,7 +75,9 @@ PROGRAMS = {
               [f32(4, 6)]),
     "slicing": (lambda x, u, i: [
         x[1:3], x[:, 2:4], lax.dynamic_slice(x, (i, 0), (2, 6)),
-        lax.dynamic_update_slice(x, u, (i, 0)), jnp.concatenate([x, x], 0),
+        lax.dynamic_slice(x, (i, i + 1), (2, 4)),
+        lax.dynamic_update_slice(x, u, (i, 0)),
+        lax.dynamic_update_slice(x, u[:, :4], (i, i)), jnp.concatenate([x, x], 0),
         jnp.concatenate([x, x], 1), *jnp.split(x, 2, 1),
         jnp.pad(x, ((1, 1), (0, 0))), lax.pad(x, 0.0, ((0, 0, 0), (1, 1, 0))), jnp.flip(x, 0), jnp.arange(8) * 1.0,
         lax.broadcasted_iota(jnp.int32, (4, 6), 1)],
@@ -224,6 +226,19 @@ def _check_local(eqn, ins, outs, sig):
     else:
       _close(got[0], want)
       _close(got[1], want)
+
+
+def test_partial_sums_never_reach_integer_or_index_operands():
+  """P on an index or a predicate would sum positions: never allowed."""
+  for name, eqn, ins, outs in CASES:
+    sigs = _rules.signatures(eqn.primitive.name,
+                             [_aval(v.aval) for v in eqn.invars],
+                             [_aval(v.aval) for v in eqn.outvars], eqn.params)
+    for sig in sigs:
+      for code, v in zip(sig[0], eqn.invars):
+        if code == P_CODE:
+          assert np.issubdtype(np.dtype(v.aval.dtype), np.floating), (
+              name, sig)
 
 
 @pytest.mark.parametrize("name,eqn,ins,outs", CASES, ids=[c[0] for c in CASES])
