@@ -514,8 +514,10 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
     cb = None if progress is None else (
         lambda s, c, nm=name: progress(nm, s, c))
     gpins = {int(prob.group_of[o]): k for o, k in pins.items()}
-    gchoice, sweeps = _solve(prob, base, gpins, None, False, cb)
-    if len(hard) != len(gpins):
+    # Each seed's boundary gets the full search a hand plan gets (so a plan
+    # is never worse than scoring its own seeds), then is freed.
+    gchoice, sweeps = _solve(prob, base, gpins, None, True, cb)
+    if not set(pins) <= set(fixed_ops):
       more, s2 = _solve(prob, base, hard, gchoice, False, cb)
       sweeps += s2
       if objective(prob, _expand(prob, more), mem_weight) <= objective(
@@ -529,7 +531,10 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
                                               key=lambda r: r[:2])[:finalists]:
     cb = None if progress is None else (
         lambda s, c, nm=name: progress(nm, s, c))
-    final, s2 = _solve(prob, base, hard, gchoice, True, cb)
+    if seeds[name] and set(seeds[name]) <= set(fixed_ops):
+      final, s2 = gchoice, 0  # a hand plan: its one full search is done
+    else:
+      final, s2 = _solve(prob, base, hard, gchoice, True, cb)
     fobj = objective(prob, _expand(prob, final), mem_weight)
     cand = (final, fobj) if fobj <= obj else (gchoice, obj)
     if best is None or cand[1] < best_obj - _EPS * max(1.0, abs(best_obj)):
