@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import jax
 from jax.extend import core as jcore
 
 from autoddl_jax import _rules

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoddl_jax._cluster import Cluster, MeshInfo
-from autoddl_jax._cost import StateSpace, split_factor, state_space
+from autoddl_jax._cost import StateSpace, state_space
 from autoddl_jax._graph import OpGraph
 from autoddl_jax._sbp import B_CODE as B
 
@@ -150,7 +150,7 @@ class Problem:
 
   def _flatten(self):
     """Flat arrays so a whole plan is scored with a few numpy gathers."""
-    off, flat = [], []
+    flat = []
     n = 0
     self.slot_off: list[list[int]] = []
     for o, slots in enumerate(self.slot_idx):

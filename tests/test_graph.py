@@ -1,4 +1,3 @@
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -1,8 +1,6 @@
 """Coordinate descent against the exact optimum, determinism, repetition."""
 
-import time
 
-import numpy as np
 import pytest
 import jax
 
