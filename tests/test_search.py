@@ -12,7 +12,8 @@ from helpers import assert_tree_close, build, make_mesh, rel_err
 
 @pytest.mark.parametrize("model,shape", [
     ("mlp", (8,)), ("mlp", (2, 4)), ("mlp", (4, 2)), ("moe", (8,)),
-    ("moe", (2, 4)), ("vgg", (2, 4))])
+    ("moe", (2, 4)), ("vgg", (2, 4)), ("gpt_scan", (8,)),
+    ("gpt_unrolled", (2, 4))])
 def test_coordinate_descent_is_within_2_percent_of_the_optimum(model, shape):
   ex = build(model, abstract=True)
   plan = ad.plan(ex.step, *ex.args, mesh=make_mesh(shape),
