@@ -14,6 +14,8 @@ from autoddl_jax._api import hand_plan as hand_plan
 from autoddl_jax._api import plan as plan
 from autoddl_jax._cluster import H100_NODE as H100_NODE
 from autoddl_jax._cluster import Cluster as Cluster
+from autoddl_jax._hlo import Collective as Collective
+from autoddl_jax._hlo import collectives as collectives
 from autoddl_jax._graph import (
     UnsupportedPrimitiveWarning as UnsupportedPrimitiveWarning,
 )
@@ -26,7 +28,7 @@ from autoddl_jax._sbp import Sbp as Sbp
 __version__ = "0.1.0"
 
 __all__ = [
-    "B", "Cluster", "H100_NODE", "MemoryBudgetError", "NdSbp", "P", "Plan",
-    "PlanCost", "S", "Sbp", "UnsupportedPrimitiveWarning", "cost_of",
+    "B", "Cluster", "Collective", "H100_NODE", "MemoryBudgetError", "NdSbp", "P", "Plan",
+    "PlanCost", "S", "Sbp", "UnsupportedPrimitiveWarning", "collectives", "cost_of",
     "hand_plan", "plan",
 ]

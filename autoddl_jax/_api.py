@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import jax
@@ -20,6 +20,9 @@ from autoddl_jax._graph import OpGraph, build_graph, repeat_groups
 from autoddl_jax._problem import Evaluation, Problem
 from autoddl_jax._sbp import B_CODE as B, NdSbp, codes_to_spec, nd_repr
 from autoddl_jax._sbp import spec_to_codes
+
+if TYPE_CHECKING:
+  from autoddl_jax._verify import Verification
 
 __all__ = ["MemoryBudgetError", "Plan", "PlanCost", "cost_of", "plan"]
 
@@ -318,6 +321,14 @@ class Plan:
     if all(t == AxisType.Auto for t in getattr(self.mesh, "axis_types", ())):
       return jitted
     return _OnAutoAxes(jitted, in_sh)
+
+  def verify(self, *, pin_inputs: bool = True) -> Verification:
+    """Compiles the planned step (abstractly: nothing is allocated) and sets
+    what the plan predicted beside what XLA emitted: collective bytes by
+    kind, their time on the cluster's links, FLOPs and peak memory per
+    device. ``print()`` the result for a table; needs a concrete mesh."""
+    from autoddl_jax._verify import verify
+    return verify(self, pin_inputs)
 
   # -------------------------------------------------------------- explain
   def transitions(self) -> list[dict[str, Any]]:

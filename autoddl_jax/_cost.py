@@ -92,7 +92,7 @@ def split_factor(codes: Sequence[int], sizes: Sequence[int]) -> int:
   return math.prod(s for c, s in zip(codes, sizes) if c >= 0)
 
 
-def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo):
+def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None):
   cur = list(src)
   t = b = 0.0
   for a in order:
@@ -103,12 +103,35 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo):
     if cur[a] >= 0 and dst[a] == P:  # S -> P goes through B
       dt, db, _ = one_axis(cur[a], B, nbytes / other, mi.axis_sizes[a],
                            mi.alpha[a], mi.beta[a])
+    if steps is not None and db > 0:
+      kind = one_axis(cur[a], B if dst[a] == P else dst[a], 1.0, 2, 0.0,
+                      1.0)[2]
+      steps.append((kind, a, db))
     cur[a] = dst[a]
     if not splits_divide(cur, shape, mi.axis_sizes):
       return INF, INF
     t += dt
     b += db
   return t, b
+
+
+def transition_steps(src: tuple[int, ...], dst: tuple[int, ...],
+                     nbytes: float, shape: tuple[int, ...],
+                     mi: MeshInfo) -> list[tuple[str, int, float]]:
+  """The collectives of the cheapest path :func:`transition` costs: (kind,
+  mesh axis, bytes sent per device) per one-axis step."""
+  diff = [a for a in range(len(src)) if src[a] != dst[a]]
+  best, best_steps = INF, []
+  for order in itertools.permutations(diff):
+    steps = []
+    t, _ = _path_cost(src, dst, order, nbytes, shape, mi, steps)
+    if t < best:
+      best, best_steps = t, steps
+  if best == INF and diff:
+    mid = tuple(B for _ in src)
+    return (transition_steps(src, mid, nbytes, shape, mi) +
+            transition_steps(mid, dst, nbytes, shape, mi))
+  return best_steps
 
 
 def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,

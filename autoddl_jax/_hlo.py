@@ -6,8 +6,14 @@ iota ``[4,2]<=[2,4]T(1,0)`` and mesh ``mesh['a'=2,'b'=4] {'b'}`` forms), how man
 times it runs per step (a ``while`` body runs ``known_trip_count`` times) and
 the ring-model bytes each device sends per execution.
 
-On CPU, XLA emits bf16 collectives as f32; :func:`collectives` reports what the
-HLO says and :attr:`Collective.dtypes` shows it.
+On CPU, XLA computes bf16 values in f32, so their collectives are f32 in the
+HLO; and it writes a reduce-scatter as an all-reduce whose users keep only
+their device's slice (:attr:`Collective.lowered_as` says so, and the kind and
+bytes are the reduce-scatter's, as a GPU would run it). Where a collective's
+f32 value comes from or goes straight back to bf16,
+:attr:`Collective.upcast` says so and ``bytes_per_device`` counts the bf16
+bytes the program's own dtype would move (``hlo_bytes_per_device`` keeps
+what the HLO says).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import math
 import re
 from typing import Any
 
+import jax
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -31,16 +38,22 @@ _COMP = re.compile(r"^(?:ENTRY\s+)?%([^\s(]+)\s*\(")
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  kind: str
-  name: str
+  """One collective instruction of a compiled program."""
+
+  kind: str  # "all-reduce" | "all-gather" | "reduce-scatter" | ...
+  name: str  # the HLO instruction name
   shapes: tuple[tuple[int, ...], ...]  # result shapes (one per tuple element)
-  dtypes: tuple[str, ...]
+  dtypes: tuple[str, ...]  # result dtypes as the HLO writes them
   operand_shapes: tuple[tuple[int, ...], ...]
   groups: tuple[tuple[int, ...], ...]  # device positions per group
   group_size: int
   count: int  # executions per step
   bytes_per_device: float  # ring-model bytes one device sends per execution
   computation: str
+  axes: tuple[str, ...] = ()  # mesh axes a group spans (when the mesh is known)
+  upcast: str | None = None  # "bf16" when the HLO's f32 stands for bf16
+  hlo_bytes_per_device: float = 0.0  # bytes_per_device at the HLO's dtypes
+  lowered_as: str | None = None  # how the HLO spells it, when not by its kind
 
   @property
   def total_bytes_per_device(self) -> float:
@@ -89,13 +102,17 @@ def parse_groups(attrs: str, num_devices: int) -> list[list[int]]:
       arr = arr.transpose([int(x) for x in m.group(3).split(",")])
     arr = arr.reshape(out_shape[0], -1)
     return arr.tolist()
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(?:,\s*device_ids=\("
+                r"(.*?)\)\s*)?\{([^}]*)\}", attrs)
   if m:
     axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
     names = [a for a, _ in axes]
     sizes = [int(s) for _, s in axes]
-    chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
-    arr = np.arange(math.prod(sizes)).reshape(sizes)
+    chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+    arr = np.arange(math.prod(sizes))
+    if m.group(2):  # the mesh's device ids, in iota form or listed
+      arr = _iota_or_list(m.group(2), math.prod(sizes))
+    arr = arr.reshape(sizes)
     rest = [i for i in range(len(sizes)) if i not in chosen]
     arr = arr.transpose(rest + chosen).reshape(-1, math.prod(
         sizes[i] for i in chosen) if chosen else 1)
@@ -105,6 +122,33 @@ def parse_groups(attrs: str, num_devices: int) -> list[list[int]]:
     return [[int(x) for x in p.split(",")]
             for p in re.findall(r"\{([0-9,]+)", m.group(1) + "}")]
   return [list(range(num_devices))]
+
+
+def _iota_or_list(text: str, n: int) -> np.ndarray:
+  """``[2,4]T(1,0)`` or ``[4,2]<=[8]`` or ``0,4,1,5`` -> device ids."""
+  text = text.strip()
+  m = re.fullmatch(r"\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?",
+                   text)
+  if not m:
+    return np.array([int(x) for x in re.findall(r"\d+", text)][:n])
+  dims = [int(x) for x in (m.group(2) or m.group(1)).split(",")]
+  arr = np.arange(math.prod(dims)).reshape(dims)
+  if m.group(3):
+    arr = arr.transpose([int(x) for x in m.group(3).split(",")])
+  return arr.reshape(-1)
+
+
+def group_axes(groups, axis_names: tuple[str, ...],
+               axis_sizes: tuple[int, ...]) -> tuple[str, ...]:
+  """The mesh axes along which members of a group differ (in mesh order)."""
+  span = set()
+  for g in groups:
+    if len(g) < 2:
+      continue
+    coords = np.array(np.unravel_index(np.asarray(g), axis_sizes))
+    span.update(int(a) for a in np.nonzero((coords != coords[:, :1]).any(
+        axis=1))[0])
+  return tuple(axis_names[a] for a in sorted(span))
 
 
 def ring_bytes(kind: str, p: int, result_bytes: float,
@@ -121,9 +165,15 @@ def ring_bytes(kind: str, p: int, result_bytes: float,
   return frac * result_bytes  # all-gather, all-to-all
 
 
-def parse_hlo(text: str, num_devices: int) -> list[Collective]:
+def parse_hlo(text: str, num_devices: int,
+              mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+              ) -> list[Collective]:
+  """Every collective in HLO text. ``mesh`` = (axis names, axis sizes) of the
+  program's mesh (device positions = positions in ``mesh.devices.flat``)."""
   comps: dict[str, list[tuple[str, str, str]]] = {}
   types: dict[str, str] = {}
+  ops: dict[str, str] = {}
+  users: dict[str, list[str]] = {}
   entry, cur = None, None
   for line in text.splitlines():
     cm = _COMP.match(line)
@@ -137,32 +187,11 @@ def parse_hlo(text: str, num_devices: int) -> list[Collective]:
     if im and cur is not None:
       name, rest = im.group(1), im.group(2)
       type_str, op = _split_type(rest)
-      types[name] = type_str
+      types[name], ops[name] = type_str, op
       comps[cur].append((name, type_str, op))
-  # Executions per step of each computation, from the entry down.
-  mult: dict[str, int] = {}
-  if entry is not None:
-    stack = [(entry, 1)]
-    while stack:
-      c, m = stack.pop()
-      mult[c] = mult.get(c, 0) + m
-      for _, _, op in comps.get(c, []):
-        opcode = op.split("(", 1)[0]
-        trip = 1
-        if opcode == "while":
-          t = re.search(r'"known_trip_count":\{"n":"(\d+)"', op)
-          trip = int(t.group(1)) if t else 1
-        for key, callee in re.findall(
-            r"(body|condition|calls|true_computation|false_computation)=%"
-            r"([^\s,}]+)", op):
-          if opcode in KINDS or opcode.endswith("-start"):
-            continue
-          stack.append((callee, m * (trip if key in ("body", "condition")
-                                     else 1)))
-        bc = re.search(r"branch_computations=\{([^}]*)\}", op)
-        if bc:
-          for callee in re.findall(r"%([^\s,]+)", bc.group(1)):
-            stack.append((callee, m))
+      for operand in _operands(op):
+        users.setdefault(operand, []).append(name)
+  mult = _multiplicities(comps, entry)
   out = []
   for c, instrs in comps.items():
     for name, type_str, op in instrs:
@@ -173,45 +202,163 @@ def parse_hlo(text: str, num_devices: int) -> list[Collective]:
       res = _arrays(type_str)
       if opcode.endswith("-start") and kind != "all-reduce":
         res = res[len(res) // 2:] if len(res) > 1 else res
-      args = op[len(opcode) + 1:]
-      depth, end = 1, 0
-      for i, ch in enumerate(args):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-          end = i
-          break
-      operand_names = re.findall(r"%([^\s,)]+)", args[:end])
+      operand_names = _operands(op)
       opnds = [a for n in operand_names for a in _arrays(types.get(n, ""))]
-      attrs = args[end:]
+      attrs = op[op.index(")"):] if ")" in op else ""
       groups = parse_groups(attrs, num_devices)
       p = len(groups[0]) if groups else num_devices
       rb = _nbytes(res)
       ob = _nbytes(opnds) if opnds else rb
+      lowered_as = None
+      if kind == "all-reduce" and _only_sliced(name, users, ops):
+        # CPU writes a reduce-scatter as an all-reduce whose every user keeps
+        # only this device's slice (indexed by partition-id).
+        kind, lowered_as = "reduce-scatter", "all-reduce + dynamic-slice"
+      hlo_bytes = ring_bytes(kind, p, rb, ob)
+      # An f32 collective between converts from/to bf16 moves bf16 values.
+      upcast = None
+      if all(d == "f32" for d, _ in res) and any(
+          _is_bf16_convert(ops.get(n, ""), types.get(n, ""))
+          for n in operand_names + users.get(name, [])):
+        upcast = "bf16"
       out.append(Collective(
           kind=kind, name=name, shapes=tuple(s for _, s in res),
           dtypes=tuple(d for d, _ in res),
           operand_shapes=tuple(s for _, s in opnds),
           groups=tuple(tuple(g) for g in groups), group_size=p,
-          count=mult.get(c, 0), bytes_per_device=ring_bytes(kind, p, rb, ob),
-          computation=c))
+          count=mult.get(c, 0),
+          bytes_per_device=hlo_bytes / 2 if upcast else hlo_bytes,
+          computation=c,
+          axes=group_axes(groups, *mesh) if mesh else (),
+          upcast=upcast, hlo_bytes_per_device=hlo_bytes,
+          lowered_as=lowered_as))
   return out
 
 
-def collectives(compiled: Any) -> list[Collective]:
-  """The collectives in a ``jax.stages.Compiled`` (or HLO text)."""
+_PASS_THROUGH = ("get-tuple-element", "bitcast", "copy", "reshape")
+
+
+def _only_sliced(name: str, users: dict[str, list[str]],
+                 ops: dict[str, str]) -> bool:
+  """Whether every user of ``name`` slices it by the device's partition id."""
+  us = users.get(name, [])
+  if not us:
+    return False
+  for u in us:
+    op = ops.get(u, "")
+    if op.startswith("dynamic-slice("):
+      continue
+    if op.split("(", 1)[0] in _PASS_THROUGH:  # look through to their users
+      if _only_sliced(u, users, ops):
+        continue
+      return False
+    if op.startswith("fusion(") and any(
+        ops.get(o, "").startswith("partition-id(") for o in _operands(op)):
+      continue
+    return False
+  return True
+
+
+def _operands(op: str) -> list[str]:
+  """Names of an instruction's operands (inside its first parentheses)."""
+  i = op.find("(")
+  if i < 0:
+    return []
+  depth = 0
+  for j in range(i, len(op)):
+    depth += op[j] == "("
+    depth -= op[j] == ")"
+    if depth == 0:
+      return re.findall(r"%([^\s,)]+)", op[i + 1:j])
+  return []
+
+
+def _is_bf16_convert(op: str, type_str: str) -> bool:
+  """A convert (or a fusion that is one) with a bf16 side."""
+  opcode = op.split("(", 1)[0]
+  if opcode == "convert" or (opcode == "fusion" and "convert" in op):
+    return "bf16" in type_str or "bf16" in op
+  return False
+
+
+def _multiplicities(comps, entry) -> dict[str, int]:
+  """Executions per step of each computation, from the entry down."""
+  mult: dict[str, int] = {}
+  if entry is None:
+    return mult
+  stack = [(entry, 1)]
+  while stack:
+    c, m = stack.pop()
+    mult[c] = mult.get(c, 0) + m
+    for _, _, op in comps.get(c, []):
+      opcode = op.split("(", 1)[0]
+      trip = 1
+      if opcode == "while":
+        t = re.search(r'"known_trip_count":\{"n":"(\d+)"', op)
+        trip = int(t.group(1)) if t else 1
+      if opcode in KINDS or opcode.endswith("-start"):
+        continue  # to_apply reducers are not executions of their own
+      for key, callee in re.findall(
+          r"(body|condition|calls|true_computation|false_computation)=%"
+          r"([^\s,}]+)", op):
+        stack.append((callee, m * (trip if key in ("body", "condition")
+                                   else 1)))
+      bc = re.search(r"branch_computations=\{([^}]*)\}", op)
+      if bc:
+        for callee in re.findall(r"%([^\s,]+)", bc.group(1)):
+          stack.append((callee, m))
+  return mult
+
+
+def collectives(compiled: Any, mesh: Any = None) -> list[Collective]:
+  """The collectives of a compiled program.
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``)
+      or its HLO text.
+    mesh: the ``Mesh`` the program runs on, to name the axes each collective
+      spans; found from the program's input shardings when not given.
+
+  Returns:
+    One :class:`Collective` per collective instruction, each with ``kind``,
+    ``count`` (executions per step) and ``bytes_per_device`` (ring-model bytes
+    one device sends per execution).
+  """
   if isinstance(compiled, str):
     text, n = compiled, 1
   else:
     text = compiled.as_text()
-    try:
-      n = len(compiled.input_shardings[0][0].device_set) if \
-          compiled.input_shardings[0] else 1
-    except (AttributeError, IndexError, TypeError):
-      n = 1
-  return parse_hlo(text, n)
+    shardings = [s for s in jax.tree_util.tree_leaves(
+        getattr(compiled, "input_shardings", ()))]
+    n = max((len(s.device_set) for s in shardings), default=1)
+    if mesh is None:
+      mesh = next((s.mesh for s in shardings if hasattr(s, "mesh")), None)
+  if mesh is not None:
+    n = max(n, math.prod(mesh.axis_sizes) if hasattr(mesh, "axis_sizes")
+            else mesh.devices.size)
+  info = None if mesh is None else (tuple(mesh.axis_names),
+                                    tuple(int(x) for x in mesh.axis_sizes))
+  return parse_hlo(text, n, info)
 
 
 def emitted_bytes(compiled: Any) -> float:
   """Ring-model bytes per device per step over all emitted collectives."""
   return sum(c.total_bytes_per_device for c in collectives(compiled))
+
+
+def emitted_seconds(cols: list[Collective], mi: Any) -> float:
+  """The alpha-beta time of emitted collectives on a mesh's links (a
+  :class:`MeshInfo`): a group spanning several axes runs at the slowest of
+  their links."""
+  total = 0.0
+  for c in cols:
+    p = c.group_size
+    if c.count == 0 or p <= 1:
+      continue
+    idx = [mi.axis_names.index(a) for a in c.axes] or range(mi.ndim)
+    alpha = max(mi.alpha[i] for i in idx)
+    beta = min(mi.beta[i] for i in idx)
+    steps = {"all-reduce": 2 * (p - 1), "collective-permute": 1}.get(
+        c.kind, p - 1)
+    total += c.count * (steps * alpha + c.bytes_per_device / beta)
+  return total

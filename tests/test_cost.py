@@ -5,7 +5,8 @@ from jax.sharding import AbstractMesh
 
 import autoddl_jax as ad
 from autoddl_jax._cluster import mesh_info
-from autoddl_jax._cost import one_axis, state_space, transition, valid_states
+from autoddl_jax._cost import (one_axis, state_space, transition,
+                               transition_steps, valid_states)
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
 A, BW, N, PP = 2e-6, 1e9, 4096.0, 4
@@ -99,3 +100,18 @@ def test_vectorized_matrix_matches_the_reference_transition(shape, mesh):
       t, b = transition(s, d, sp.nbytes, shape, mi)
       assert sp.time[i, j] == pytest.approx(t, rel=1e-12, abs=1e-18)
       assert sp.bytes[i, j] == pytest.approx(b, rel=1e-12, abs=1e-18)
+
+
+@pytest.mark.parametrize("shape,mesh", [((8, 16), (2, 4)), ((6, 8, 4), (2, 2, 2))])
+def test_transition_steps_add_up_to_the_transition(shape, mesh):
+  names = ("x", "y", "z")[:len(mesh)]
+  mi = mesh_info(AbstractMesh(mesh, names), ad.Cluster(devices_per_node=4))
+  sp = state_space(shape, 4, mi)
+  kinds = set()
+  for s in sp.states:
+    for d in sp.states:
+      steps = transition_steps(s, d, sp.nbytes, shape, mi)
+      _, b = transition(s, d, sp.nbytes, shape, mi)
+      assert sum(x for _, _, x in steps) == pytest.approx(b, rel=1e-12)
+      kinds.update(k for k, _, _ in steps)
+  assert kinds == {"all-reduce", "reduce-scatter", "all-gather", "all-to-all"}

@@ -95,3 +95,21 @@ def test_abstract_planning_matches_concrete():
   b = ad.plan(abstract.step, *abstract.args, mesh=am, cluster=TEST_CLUSTER)
   assert b.choice == c.choice
   assert np.isclose(b.cost.time_s, c.cost.time_s)
+
+
+def test_verify_sets_predictions_beside_what_xla_compiled():
+  ex = build("mlp", abstract=True)
+  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER)
+  v = plan.verify()
+  assert v.predicted_bytes == pytest.approx(plan.cost.comm_bytes)
+  assert v.emitted_bytes == pytest.approx(
+      sum(c.total_bytes_per_device for c in v.collectives))
+  assert sum(p for p, _ in v.by_kind.values()) == pytest.approx(
+      v.predicted_bytes, rel=1e-9)
+  assert sum(e for _, e in v.by_kind.values()) == pytest.approx(
+      v.emitted_bytes, rel=1e-9)
+  assert v.xla_flops and v.xla_flops > 0 and v.xla_memory > 0
+  assert v.emitted_comm_s > 0 and all(c.axes for c in v.collectives)
+  text = str(v)
+  assert "collective bytes" in text and "FLOPs" in text

@@ -1,0 +1,147 @@
+"""What the plan predicted against what XLA compiled (:meth:`Plan.verify`)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from autoddl_jax import _hlo
+from autoddl_jax._cost import transition_steps
+
+if TYPE_CHECKING:
+  from autoddl_jax._api import Plan
+
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
+         "collective-permute")
+TOLERANCE = 0.10  # disagreements beyond this are flagged
+
+
+@dataclasses.dataclass(frozen=True)
+class Verification:
+  """A plan's predictions next to its compiled program, per device per step.
+
+  Bytes are ring-model bytes each device sends; ``by_kind`` maps a collective
+  kind to (predicted bytes, emitted bytes). FLOPs and memory come from XLA's
+  ``cost_analysis`` and ``memory_analysis`` of the compiled program.
+  """
+
+  by_kind: dict[str, tuple[float, float]]
+  predicted_bytes: float
+  emitted_bytes: float
+  predicted_comm_s: float
+  emitted_comm_s: float  # emitted collectives on the cluster's alpha-beta links
+  predicted_flops: float
+  xla_flops: float | None
+  predicted_memory: float
+  xla_memory: float | None
+  collectives: list[_hlo.Collective]
+  upcast_bf16: bool  # some f32 collectives stand for bf16 values (CPU)
+
+  @property
+  def bytes_ratio(self) -> float:
+    """Predicted / emitted collective bytes (1.0 when both are zero)."""
+    if self.emitted_bytes == 0:
+      return 1.0 if self.predicted_bytes == 0 else math.inf
+    return self.predicted_bytes / self.emitted_bytes
+
+  def disagreements(self) -> list[str]:
+    """The quantities off by more than :data:`TOLERANCE`."""
+    out = []
+    for name, p, e in self._rows():
+      if e is not None and not _close(p, e):
+        out.append(name)
+    return out
+
+  def _rows(self):
+    rows = [(f"{k} bytes", p, e) for k, (p, e) in self.by_kind.items()]
+    rows += [("collective bytes", self.predicted_bytes, self.emitted_bytes),
+             ("collective time s", self.predicted_comm_s, self.emitted_comm_s),
+             ("FLOPs", self.predicted_flops, self.xla_flops),
+             ("peak memory bytes", self.predicted_memory, self.xla_memory)]
+    return rows
+
+  def __str__(self) -> str:
+    lines = [f"{'per device per step':<22} {'predicted':>12} {'XLA':>12} "
+             f"{'pred/XLA':>9}"]
+    for name, p, e in self._rows():
+      ratio = "" if e in (None, 0) else f"{p / e:9.3f}"
+      flag = "" if e is None or _close(p, e) else "  <-- off by >10%"
+      lines.append(f"{name:<22} {p:12.4g} "
+                   f"{'n/a' if e is None else format(e, '12.4g'):>12} "
+                   f"{ratio:>9}{flag}")
+    if self.upcast_bf16:
+      lines.append("note: XLA on CPU moves bf16 values as f32; their bytes "
+                   "are counted at bf16")
+    return "\n".join(lines)
+
+
+def _close(p: float, e: float) -> bool:
+  if p == e:
+    return True
+  return abs(p - e) <= TOLERANCE * max(abs(p), abs(e))
+
+
+def predicted_by_kind(plan: Plan) -> dict[str, float]:
+  """Predicted bytes per device per step, by collective kind."""
+  prob = plan.problem
+  out: dict[str, float] = collections.defaultdict(float)
+  for e in prob.edges:
+    kp, kc = plan.choice[e.prod], plan.choice[e.cons]
+    if prob.edge_pair(e, kp, kc, "bytes") <= 0:
+      continue
+    src = prob.cands[e.prod][kp][e.prod_slot]
+    dst = prob.cands[e.cons][kc][e.cons_slot]
+    for kind, _, b in transition_steps(src, dst, e.space.nbytes,
+                                       e.space.shape, plan.mesh_info):
+      out[kind] += e.weight * b
+  return dict(out)
+
+
+def _first(analysis: Any) -> Any:
+  if isinstance(analysis, (list, tuple)):
+    return analysis[0] if analysis else None
+  return analysis
+
+
+def verify(plan: Plan, pin_inputs: bool = True) -> Verification:
+  mesh = plan._auto_mesh()  # noqa: SLF001 (the same package)
+  tr = plan._traced  # noqa: SLF001
+  in_sh = plan._shard_tree(plan.in_specs, mesh)  # noqa: SLF001
+  flat_sh = jax.tree_util.tree_leaves(
+      in_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+          for a, s in zip(tr.in_avals, flat_sh)]
+  args = jax.tree_util.tree_unflatten(tr.in_tree, args)
+  compiled = plan.jit(pin_inputs=pin_inputs).lower(*args).compile()
+  cols = _hlo.collectives(compiled, mesh)
+  pred = predicted_by_kind(plan)
+  emitted: dict[str, float] = collections.defaultdict(float)
+  for c in cols:
+    emitted[c.kind] += c.total_bytes_per_device
+  by_kind = {k: (pred.get(k, 0.0), emitted.get(k, 0.0)) for k in KINDS
+             if pred.get(k) or emitted.get(k)}
+  cost = _first(compiled.cost_analysis())
+  flops = None if not cost or "flops" not in cost else float(cost["flops"])
+  mem = compiled.memory_analysis()
+  xla_mem = None
+  if mem is not None:
+    xla_mem = float(mem.argument_size_in_bytes + mem.output_size_in_bytes +
+                    mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+  cl = plan.cluster
+  return Verification(
+      by_kind=by_kind,
+      predicted_bytes=plan.cost.comm_bytes,
+      emitted_bytes=sum(c.total_bytes_per_device for c in cols),
+      predicted_comm_s=plan.cost.comm_s,
+      emitted_comm_s=_hlo.emitted_seconds(cols, plan.mesh_info),
+      predicted_flops=plan.cost.compute_s * cl.peak_flops *
+      cl.flops_efficiency,
+      xla_flops=flops,
+      predicted_memory=plan.cost.memory_bytes,
+      xla_memory=xla_mem,
+      collectives=cols,
+      upcast_bf16=any(c.upcast for c in cols))
