@@ -626,23 +626,54 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
 
 
 def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
+  """The cheapest plan found whose peak memory fits ``budget``.
+
+  Memory enters the search as a Lagrangian penalty on the bytes of every
+  tensor (a proxy for the peak): raised by 4x until a plan fits, then
+  bisected between the last two weights. Each seed completed with its
+  placements held is a candidate too, so a budgeted plan is never worse than
+  a seed that fits.
+  """
   peak = prob.peak_memory(res.choice)
   if peak <= budget:
     return res.choice, res
-  best_fit, smallest = None, (peak, res)
+  fits: list[tuple[float, int, _search.SearchResult]] = []
+  smallest = (peak, res)
+
+  def consider(r):
+    nonlocal smallest
+    pk = prob.peak_memory(r.choice)
+    if pk < smallest[0]:
+      smallest = (pk, r)
+    if pk <= budget:
+      fits.append((prob.evaluate(r.choice).time_s, len(fits), r))
+      return True
+    return False
+
+  polish = getattr(prob, "untied", None)
+  for name, pins in seeds.items():
+    consider(_search.coordinate_descent(prob, {name: pins},
+                                        fixed_ops=list(pins)))
   scale = max(res.objective, 1e-30) / max(peak, 1.0)
+  lo = hi = None
   for k in range(12):
     lam = scale * 4.0 ** k
     r = _search.coordinate_descent(prob, seeds, mem_weight=lam,
-                                   progress=progress,
-                                   polish=getattr(prob, "untied", None))
-    peak = prob.peak_memory(r.choice)
-    if peak < smallest[0]:
-      smallest = (peak, r)
-    if peak <= budget:
-      best_fit = r
+                                   progress=progress, polish=polish)
+    if consider(r):
+      hi = lam
       break
-  if best_fit is None:
+    lo = lam
+  if hi is not None and lo is not None:
+    for _ in range(3):  # a lighter penalty that still fits is cheaper
+      mid = math.sqrt(lo * hi)
+      r = _search.coordinate_descent(prob, seeds, mem_weight=mid,
+                                     progress=progress, polish=polish)
+      if consider(r):
+        hi = mid
+      else:
+        lo = mid
+  if not fits:
     peak, r = smallest
     big = ", ".join(f"{name} {shape} {_fmt_bytes(b)}"
                     for b, name, shape in prob.largest_tensors(r.choice))
@@ -651,8 +682,8 @@ def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
         f"smallest plan found needs {_fmt_bytes(peak)}. Largest tensors per "
         f"device in it: {big}. Use more devices, a smaller batch, remat, or a "
         "larger budget.")
-  ev = prob.evaluate(best_fit.choice)
-  best_fit.objective = ev.time_s
+  time_s, _, best_fit = min(fits, key=lambda f: f[:2])
+  best_fit.objective = time_s
   return best_fit.choice, best_fit
 
 
