@@ -11,11 +11,14 @@ from autoddl_jax._api import Plan as Plan
 from autoddl_jax._api import PlanCost as PlanCost
 from autoddl_jax._api import cost_of as cost_of
 from autoddl_jax._api import hand_plan as hand_plan
+from autoddl_jax._api import load_plan as load_plan
 from autoddl_jax._api import plan as plan
+from autoddl_jax._auto import auto_shard as auto_shard
 from autoddl_jax._cluster import H100_NODE as H100_NODE
 from autoddl_jax._cluster import Cluster as Cluster
 from autoddl_jax._hlo import Collective as Collective
 from autoddl_jax._hlo import collectives as collectives
+from autoddl_jax._io import PlanFileError as PlanFileError
 from autoddl_jax._graph import (
     UnsupportedPrimitiveWarning as UnsupportedPrimitiveWarning,
 )
@@ -28,7 +31,8 @@ from autoddl_jax._sbp import Sbp as Sbp
 __version__ = "0.1.0"
 
 __all__ = [
-    "B", "Cluster", "Collective", "H100_NODE", "MemoryBudgetError", "NdSbp", "P", "Plan",
-    "PlanCost", "S", "Sbp", "UnsupportedPrimitiveWarning", "collectives", "cost_of",
-    "hand_plan", "plan",
+    "B", "Cluster", "Collective", "H100_NODE", "MemoryBudgetError", "NdSbp",
+    "P", "Plan", "PlanCost", "PlanFileError", "S", "Sbp",
+    "UnsupportedPrimitiveWarning", "auto_shard", "collectives", "cost_of",
+    "hand_plan", "load_plan", "plan",
 ]

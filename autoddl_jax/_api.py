@@ -24,7 +24,8 @@ from autoddl_jax._sbp import spec_to_codes
 if TYPE_CHECKING:
   from autoddl_jax._verify import Verification
 
-__all__ = ["MemoryBudgetError", "Plan", "PlanCost", "cost_of", "plan"]
+__all__ = ["MemoryBudgetError", "Plan", "PlanCost", "cost_of", "load_plan",
+           "plan"]
 
 
 class MemoryBudgetError(ValueError):
@@ -321,6 +322,22 @@ class Plan:
     if all(t == AxisType.Auto for t in getattr(self.mesh, "axis_types", ())):
       return jitted
     return _OnAutoAxes(jitted, in_sh)
+
+  def param_specs(self, argnum: int = 0) -> Any:
+    """The ``PartitionSpec`` pytree of one argument (default: the first, the
+    parameters or the train state), with that argument's own structure."""
+    if not isinstance(self.in_specs, tuple) or not \
+        -len(self.in_specs) <= argnum < len(self.in_specs):
+      raise IndexError(f"the step takes {len(self.in_specs)} arguments; "
+                       f"argnum {argnum} is not one of them")
+    return self.in_specs[argnum]
+
+  def save(self, path) -> None:
+    """Writes the plan as versioned JSON (atomically: temp file + rename),
+    with fingerprints of the program, mesh and cluster it was made for. Read
+    it back with :func:`autoddl_jax.load_plan`."""
+    from autoddl_jax import _io
+    _io.save(self, path)
 
   def verify(self, *, pin_inputs: bool = True) -> Verification:
     """Compiles the planned step (abstractly: nothing is allocated) and sets
@@ -775,3 +792,16 @@ def cost_of(fn: Callable, *args: Any, mesh, in_shardings, out_shardings=None,
   """
   return hand_plan(fn, *args, mesh=mesh, in_shardings=in_shardings,
                    out_shardings=out_shardings, cluster=cluster).cost
+
+
+def load_plan(path, fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
+              cluster: Cluster | None = None) -> Plan:
+  """Reads a plan saved with :meth:`Plan.save` for ``fn(*args)`` on ``mesh``.
+
+  The program is traced again (no search) and must be the one the plan was
+  made for, on a mesh of the same axes and sizes and the same cluster;
+  otherwise :class:`autoddl_jax.PlanFileError` says what differs. A
+  truncated or corrupted file raises it too.
+  """
+  from autoddl_jax import _io
+  return _io.load(path, fn, args, mesh, cluster)

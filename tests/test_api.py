@@ -22,8 +22,9 @@ X = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
 def test_public_face_is_small():
   assert set(ad.__all__) == {
       "B", "Cluster", "Collective", "H100_NODE", "MemoryBudgetError", "NdSbp",
-      "P", "Plan", "PlanCost", "S", "Sbp", "UnsupportedPrimitiveWarning",
-      "collectives", "cost_of", "hand_plan", "plan"}
+      "P", "Plan", "PlanCost", "PlanFileError", "S", "Sbp",
+      "UnsupportedPrimitiveWarning", "auto_shard", "collectives", "cost_of",
+      "hand_plan", "load_plan", "plan"}
 
 
 def test_plan_fields_and_explain():

@@ -1,0 +1,171 @@
+"""``@ad.auto_shard``: plan on first call, cache by signature, run jitted."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from autoddl_jax._api import Plan, plan as make_plan
+from autoddl_jax._cluster import Cluster
+
+
+def _is_nnx_node(x: Any) -> bool:
+  """Flax nnx modules / optimizers (graph nodes), without importing flax
+  unless the argument is one of its objects."""
+  if not any((c.__module__ or "").startswith("flax.")
+             for c in type(x).__mro__):
+    return False
+  from flax import nnx
+  return nnx.graph.is_graph_node(x)
+
+
+def _signature(args) -> Any:
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  # Python scalars sign as the arrays they become (a TrainState's step is 0,
+  # then an int32 array).
+  return tree, tuple((tuple(jax.numpy.shape(x)),
+                      str(jax.numpy.result_type(x))) for x in leaves)
+
+
+def _abstract(x: Any, mesh: Mesh) -> Any:
+  """A ShapeDtypeStruct of an argument leaf, keeping a placement made on the
+  same mesh (so it seeds the search)."""
+  s = getattr(x, "sharding", None)
+  if not isinstance(s, NamedSharding) or s.mesh.shape_tuple != \
+      mesh.shape_tuple:
+    s = None
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    x = jax.numpy.asarray(x)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+
+def _place(x: Any, s: NamedSharding) -> Any:
+  """``x`` on sharding ``s``; arrays already there are passed as they are."""
+  if isinstance(x, jax.Array) and (x.sharding == s or (
+      x.sharding.is_equivalent_to(s, x.ndim))):
+    return x
+  return jax.device_put(x, s)
+
+
+class AutoShard:
+  """A step function that plans its own sharding (see :func:`auto_shard`).
+
+  Attributes:
+    plan: the plan of the most recent call (``None`` before the first).
+    plans: every plan made, by argument signature.
+  """
+
+  def __init__(self, fn: Callable, mesh: Mesh | None, cluster: Cluster | None,
+               memory_budget: float | None, donate_argnums: Sequence[int],
+               verbose: bool):
+    functools.update_wrapper(self, fn)
+    self._fn = fn
+    self._mesh = mesh
+    self._cluster = cluster
+    self._budget = memory_budget
+    self._donate = tuple(donate_argnums)
+    self._verbose = verbose
+    self._lock = threading.Lock()
+    self.plans: dict[Any, Plan] = {}
+    self._jitted: dict[Any, Any] = {}
+    self.plan: Plan | None = None
+
+  @property
+  def mesh(self) -> Mesh:
+    if self._mesh is None:  # bare @auto_shard: one data axis over all devices
+      self._mesh = jax.make_mesh((jax.device_count(),), ("data",),
+                                 axis_types=(jax.sharding.AxisType.Auto,))
+    return self._mesh
+
+  def __call__(self, *args):
+    nodes = [i for i, a in enumerate(args) if _is_nnx_node(a)]
+    if nodes:
+      return self._call_nnx(args, nodes)
+    return self._run(self._fn, args, extra_key=None)
+
+  def _run(self, fn: Callable, args: tuple, extra_key: Any):
+    key = (extra_key, _signature(args))
+    with self._lock:
+      if key not in self.plans:
+        abstract = jax.tree.map(lambda x: _abstract(x, self.mesh), args)
+        p = make_plan(fn, *abstract, mesh=self.mesh, cluster=self._cluster,
+                      memory_budget=self._budget, verbose=self._verbose)
+        self.plans[key] = p
+        self._jitted[key] = p.jit(donate_argnums=self._donate)
+      self.plan = self.plans[key]
+      jitted = self._jitted[key]
+    placed = jax.tree.map(_place, args, self.plan.in_shardings)
+    return jitted(*placed)
+
+  def _call_nnx(self, args: tuple, nodes: list[int]):
+    """In-place nnx style: ``step(model, optimizer, batch)`` updates the
+    model and optimizer. Their state is split out, the step runs as a pure
+    function of it (planned like any other), and the new state is written
+    back into the same objects."""
+    from flax import nnx
+    graphdef, state = nnx.split(tuple(args[i] for i in nodes))
+    others = tuple(a for i, a in enumerate(args) if i not in nodes)
+
+    def pure(state, others):
+      objs = nnx.merge(graphdef, state)
+      it_o, it_n = iter(others), iter(objs)
+      call = [next(it_n) if i in nodes else next(it_o)
+              for i in range(len(args))]
+      out = self._fn(*call)
+      return nnx.state(objs), out
+
+    pure.__name__ = getattr(self._fn, "__name__", "step")
+    new_state, out = self._run(pure, (state, others),
+                               extra_key=(graphdef, tuple(nodes)))
+    nnx.update(tuple(args[i] for i in nodes), new_state)
+    return out
+
+  def __repr__(self) -> str:
+    return (f"auto_shard({getattr(self._fn, '__name__', self._fn)!r}, "
+            f"mesh={dict(self.mesh.shape)}, plans={len(self.plans)})")
+
+
+def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
+               cluster: Cluster | None = None,
+               memory_budget: float | None = None,
+               donate_argnums: int | Sequence[int] = (),
+               verbose: bool = False) -> Any:
+  """Plans a step's sharding on first call and runs it with ``jax.jit``.
+
+  Use as ``@ad.auto_shard(mesh=mesh)``, bare as ``@ad.auto_shard`` (one
+  ``data`` axis over all devices) or as ``ad.auto_shard(step, mesh=mesh)``.
+  The first call with a new argument signature (tree structure, shapes,
+  dtypes) traces the step abstractly and plans it; later calls with the same
+  signature reuse the plan and the jitted function. Arguments are placed on
+  the plan's shardings (arrays already placed that way are not copied).
+
+  Steps may take and return pytrees (params / optax states / batches, a
+  linen ``TrainState``, an nnx ``State`` from ``nnx.split``) or take nnx
+  modules and optimizers and update them in place.
+
+  Args:
+    fn: the step function.
+    mesh: the ``jax.sharding.Mesh`` to plan for.
+    cluster: the hardware to cost for (default: ``ad.H100_NODE``).
+    memory_budget: bytes per device the plan must fit in.
+    donate_argnums: passed to ``jax.jit``.
+    verbose: print the search's progress.
+  """
+  if isinstance(donate_argnums, int):
+    donate_argnums = (donate_argnums,)
+  if mesh is not None and not isinstance(mesh, Mesh):
+    raise TypeError(f"auto_shard needs a concrete jax.sharding.Mesh (it runs "
+                    f"the step), got {type(mesh).__name__}; plan abstract "
+                    "meshes with ad.plan")
+  if fn is None:
+    return functools.partial(auto_shard, mesh=mesh, cluster=cluster,
+                             memory_budget=memory_budget,
+                             donate_argnums=donate_argnums, verbose=verbose)
+  if not callable(fn):
+    raise TypeError(f"auto_shard decorates a function, got {type(fn).__name__}")
+  return AutoShard(fn, mesh, cluster, memory_budget, donate_argnums, verbose)

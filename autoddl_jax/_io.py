@@ -1,0 +1,174 @@
+"""Plans as versioned JSON: :meth:`Plan.save` and :func:`load_plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from autoddl_jax._api import Plan
+
+FORMAT = "autoddl_jax.plan"
+VERSION = 1
+
+
+class PlanFileError(ValueError):
+  """A plan file that cannot be used: unreadable, or made for another
+  program, mesh, cluster or format version."""
+
+
+def program_fingerprint(plan: Plan) -> str:
+  """sha256 of the traced program (its jaxpr) and its argument types."""
+  tr = plan._traced  # noqa: SLF001 (same package)
+  h = hashlib.sha256()
+  h.update(str(tr.closed.jaxpr).encode())
+  for name, a in zip(tr.in_names, tr.in_avals):
+    h.update(f"{name}:{a.str_short()}".encode())
+  return h.hexdigest()
+
+
+def _mesh_dict(plan: Plan) -> dict[str, int]:
+  mi = plan.mesh_info
+  return dict(zip(mi.axis_names, mi.axis_sizes))
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+  from autoddl_jax import __version__
+  mi = plan.mesh_info
+  tr = plan._traced  # noqa: SLF001
+  args = []
+  for name, a, s, spec in zip(tr.in_names, tr.in_avals, plan.in_sbps,
+                              _flat_specs(plan)):
+    args.append(dict(path=name, shape=list(a.shape), dtype=str(a.dtype),
+                     sbp=repr(s), spec=str(spec)))
+  return {
+      "format": FORMAT,
+      "version": VERSION,
+      "autoddl_jax": __version__,
+      "fingerprint": {
+          "program": program_fingerprint(plan),
+          "mesh": _mesh_dict(plan),
+          "cluster": dataclasses.asdict(plan.cluster),
+      },
+      "links": dict(zip(mi.axis_names, mi.link)),
+      "choice": [int(c) for c in plan.choice],
+      "cost": dataclasses.asdict(plan.cost),
+      "seed": None if plan.search is None else plan.search.seed,
+      "arguments": args,
+  }
+
+
+def _flat_specs(plan: Plan):
+  import jax
+  from jax.sharding import PartitionSpec
+  return jax.tree_util.tree_leaves(
+      plan.in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def save(plan: Plan, path: str | os.PathLike) -> None:
+  """Writes atomically: a temp file in the same folder, then a rename."""
+  data = json.dumps(to_json(plan), indent=1)
+  path = os.fspath(path)
+  folder = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=folder)
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def read(path: str | os.PathLike) -> dict[str, Any]:
+  """The JSON of a plan file, checked for format and version."""
+  path = os.fspath(path)
+  try:
+    with open(path) as f:
+      text = f.read()
+  except OSError as e:
+    raise PlanFileError(f"cannot read plan file {path!r}: {e}") from e
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise PlanFileError(
+        f"plan file {path!r} is truncated or corrupted (not valid JSON: "
+        f"{e.msg} at line {e.lineno}); save the plan again") from e
+  if not isinstance(data, dict) or data.get("format") != FORMAT:
+    raise PlanFileError(f"{path!r} is not an autoddl_jax plan file (no "
+                        f"'format': {FORMAT!r})")
+  if data.get("version") != VERSION:
+    raise PlanFileError(
+        f"plan file {path!r} has format version {data.get('version')!r}; "
+        f"this autoddl_jax reads version {VERSION}. Re-plan and save again")
+  for key in ("fingerprint", "choice", "arguments"):
+    if key not in data:
+      raise PlanFileError(f"plan file {path!r} is corrupted: no {key!r}")
+  return data
+
+
+def load(path: str | os.PathLike, fn: Callable, args: tuple, mesh,
+         cluster) -> Plan:
+  from autoddl_jax._api import Plan, _setup  # the same package
+  data = read(path)
+  cluster_, mesh_, mi, tr, graph, prob, _ = _setup(fn, args, mesh, cluster)
+  fp = data["fingerprint"]
+  want_mesh = dict(zip(mi.axis_names, mi.axis_sizes))
+  if fp.get("mesh") != want_mesh:
+    raise PlanFileError(f"plan file {os.fspath(path)!r} was made for mesh "
+                        f"{fp.get('mesh')}, not {want_mesh}")
+  if fp.get("cluster") != dataclasses.asdict(cluster_):
+    diff = sorted(k for k, v in dataclasses.asdict(cluster_).items()
+                  if fp.get("cluster", {}).get(k) != v)
+    raise PlanFileError(f"plan file {os.fspath(path)!r} was made for another "
+                        f"cluster (differs in: {', '.join(diff)})")
+  choice = data["choice"]
+  if len(choice) != len(graph.ops) or not all(
+      isinstance(c, int) and 0 <= c < len(prob.cands[o])
+      for o, c in enumerate(choice)):
+    raise PlanFileError(f"plan file {os.fspath(path)!r} does not fit this "
+                        "program (its choices do not match the traced ops)")
+  plan = Plan(fn=fn, mesh=mesh_, mi=mi, cluster=cluster_, traced=tr,
+              graph=graph, problem=prob, choice=choice, search=None,
+              search_seconds=0.0)
+  if program_fingerprint(plan) != fp.get("program"):
+    old = {a["path"]: (tuple(a["shape"]), a["dtype"])
+           for a in data["arguments"]}
+    new = {n: (tuple(a.shape), str(a.dtype))
+           for n, a in zip(tr.in_names, tr.in_avals)}
+    changed = [k for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k)]
+    what = (f"arguments differ: {', '.join(changed[:5])}" if changed else
+            "the same argument types but a different computation")
+    raise PlanFileError(f"plan file {os.fspath(path)!r} was made for another "
+                        f"program ({what})")
+  return plan
+
+
+def show(path: str | os.PathLike) -> str:
+  """A plan file as text, without the program it was made for."""
+  data = read(path)
+  fp = data["fingerprint"]
+  cost = data.get("cost", {})
+  lines = [f"autoddl_jax plan (format v{data['version']}, made by autoddl_jax "
+           f"{data.get('autoddl_jax')}) on mesh {fp['mesh']} "
+           f"(links: {data.get('links')})",
+           f"program sha256 {fp['program'][:16]}...",
+           f"predicted per device per step: time "
+           f"{cost.get('time_s', float('nan')) * 1e3:.4g} ms, comm "
+           f"{cost.get('comm_bytes', float('nan')):.4g} B, peak memory "
+           f"{cost.get('memory_bytes', float('nan')):.4g} B"]
+  rows = [("argument", "shape", "dtype", "nd-SBP", "PartitionSpec")]
+  rows += [(a["path"], str(tuple(a["shape"])), a["dtype"], a["sbp"],
+            a["spec"]) for a in data["arguments"]]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+  return "\n".join(lines)

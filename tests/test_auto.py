@@ -1,0 +1,267 @@
+"""``@ad.auto_shard`` on flax.nnx (functional and in-place) and flax.linen
+steps, and plans saved and loaded."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen, nnx
+from flax.training import train_state
+
+import autoddl_jax as ad
+from conftest import TEST_CLUSTER
+from helpers import make_mesh, rel_err
+
+OPTIMIZERS = {"adam": lambda: optax.adam(1e-2), "adamw": lambda: optax.adamw(
+    1e-2, weight_decay=0.1)}
+
+
+def _batch(n=16, seed=1):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {"x": jax.random.normal(k1, (n, 32)),
+          "y": jax.random.normal(k2, (n, 8))}
+
+
+class Mlp(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(32, 64, rngs=rngs)
+    self.l2 = nnx.Linear(64, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def _mse(model, batch):
+  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _close(a, b, tol=1e-5):
+  assert rel_err(a, b) <= tol, (float(a), float(b))
+
+
+# ---------------------------------------------------------------- nnx
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_nnx_functional_step(opt):
+  def make():
+    model = Mlp(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, OPTIMIZERS[opt](), wrt=nnx.Param)
+    return nnx.split((model, optimizer))
+
+  graphdef, state = make()
+
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(_mse)(model, batch)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  planned = ad.auto_shard(step, mesh=make_mesh((2, 4), explicit=False),
+                          cluster=TEST_CLUSTER)
+  ref_state = make()[1]
+  ref = jax.jit(step)
+  for i in range(2):
+    state, loss = planned(state, _batch(seed=i))
+    ref_state, ref_loss = ref(ref_state, _batch(seed=i))
+    _close(loss, ref_loss)
+  assert len(planned.plans) == 1  # the second call did not re-plan
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+    _close(a, b, 1e-4)  # after two adam steps (sign-like updates)
+  specs = planned.plan.param_specs()
+  assert isinstance(specs, nnx.State)
+  planned(state, _batch(n=32))  # a new batch shape plans again
+  assert len(planned.plans) == 2
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_nnx_in_place_step(opt):
+  def make():
+    model = Mlp(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, OPTIMIZERS[opt](), wrt=nnx.Param)
+
+  def step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(_mse)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  model, optimizer = make()
+  ref_model, ref_opt = make()
+  planned = ad.auto_shard(mesh=make_mesh((4, 2)), cluster=TEST_CLUSTER)(step)
+  ref = nnx.jit(step)
+  for i in range(3):
+    loss = planned(model, optimizer, _batch(seed=i))
+    ref_loss = ref(ref_model, ref_opt, _batch(seed=i))
+    _close(loss, ref_loss)
+  assert len(planned.plans) == 1
+  _close(model.l1.kernel[...], ref_model.l1.kernel[...], 1e-4)
+  assert int(optimizer.step[...]) == 3  # updated in place
+
+
+# -------------------------------------------------------------- linen
+class LinenMlp(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    return linen.Dense(8)(jax.nn.relu(linen.Dense(64)(x)))
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_linen_train_state_step(opt):
+  model = LinenMlp()
+
+  def make():
+    params = model.init(jax.random.key(0), jnp.zeros((1, 32)))["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=OPTIMIZERS[opt]())
+
+  def step(state, batch):
+    def loss_fn(p):
+      out = state.apply_fn({"params": p}, batch["x"])
+      return jnp.mean((out - batch["y"]) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  planned = ad.auto_shard(step, mesh=make_mesh((8,), explicit=False),
+                          cluster=TEST_CLUSTER, donate_argnums=0)
+  state, ref_state = make(), make()
+  ref = jax.jit(step)
+  for i in range(2):
+    state, loss = planned(state, _batch(seed=i))
+    ref_state, ref_loss = ref(ref_state, _batch(seed=i))
+    _close(loss, ref_loss)
+  assert len(planned.plans) == 1
+  # The optimizer moments follow their parameters' layouts.
+  p_specs = planned.plan.param_specs().params
+  mu_specs = planned.plan.param_specs().opt_state[0].mu
+  assert jax.tree.leaves(p_specs) == jax.tree.leaves(mu_specs)
+
+
+def test_bare_decorator_plans_over_all_devices():
+  @ad.auto_shard
+  def step(w, x):
+    return jnp.tanh(x @ w).sum()
+
+  w, x = jnp.ones((32, 16)), jnp.ones((64, 32))
+  _close(step(w, x), jnp.tanh(x @ w).sum())
+  assert dict(step.mesh.shape) == {"data": jax.device_count()}
+
+
+def test_placed_arguments_are_not_copied():
+  mesh = make_mesh((8,), explicit=False)
+
+  @ad.auto_shard(mesh=mesh, cluster=TEST_CLUSTER)
+  def step(w, x):
+    return w * 2.0, (x @ w).sum()
+
+  w, x = jnp.ones((32, 16)), jnp.ones((64, 32))
+  step(w, x)
+  placed = jax.device_put(w, step.plan.in_shardings[0])
+  assert ad._auto._place(placed, step.plan.in_shardings[0]) is placed
+
+
+def test_auto_shard_rejects_an_abstract_mesh():
+  with pytest.raises(TypeError, match="concrete jax.sharding.Mesh"):
+    ad.auto_shard(lambda x: x, mesh=jax.sharding.AbstractMesh((8,), ("d",)))
+
+
+# ---------------------------------------------------------- save/load
+def _mlp_step():
+  from autoddl_jax import models
+  return models.mlp(optimizer=optax.adam(1e-2))
+
+
+def test_save_load_gives_the_same_shardings_and_numbers(tmp_path):
+  ex = _mlp_step()
+  mesh = make_mesh((2, 4))
+  plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=TEST_CLUSTER)
+  path = tmp_path / "plan.json"
+  plan.save(path)
+  loaded = ad.load_plan(path, ex.step, *ex.args, mesh=mesh,
+                        cluster=TEST_CLUSTER)
+  assert loaded.in_specs == plan.in_specs
+  assert loaded.out_specs == plan.out_specs
+  assert loaded.cost == plan.cost
+  a = plan.jit()(*ex.args)
+  b = loaded.jit()(*ex.args)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert not [p for p in tmp_path.iterdir() if p.name != "plan.json"]
+
+
+@pytest.fixture
+def saved(tmp_path):
+  ex = _mlp_step()
+  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER)
+  path = tmp_path / "plan.json"
+  plan.save(path)
+  return ex, path
+
+
+def test_load_against_another_program_says_what_differs(saved):
+  ex, path = saved
+  other = __import__("autoddl_jax").models.mlp(batch=64,
+                                               optimizer=optax.adam(1e-2))
+  with pytest.raises(ad.PlanFileError, match=r"another program \(arguments "
+                     r"differ: .*'x'"):
+    ad.load_plan(path, other.step, *other.args, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER)
+
+
+def test_load_on_another_mesh_shape(saved):
+  ex, path = saved
+  with pytest.raises(ad.PlanFileError, match=r"made for mesh \{'data': 2, "
+                     r"'model': 4\}, not \{'data': 4, 'model': 2\}"):
+    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((4, 2)),
+                 cluster=TEST_CLUSTER)
+
+
+def test_load_for_another_cluster(saved):
+  ex, path = saved
+  with pytest.raises(ad.PlanFileError, match="another cluster.*devices_per"):
+    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=ad.Cluster(devices_per_node=2))
+
+
+def test_load_of_another_format_version(saved):
+  ex, path = saved
+  text = path.read_text().replace('"version": 1', '"version": 99')
+  path.write_text(text)
+  with pytest.raises(ad.PlanFileError, match="format version 99"):
+    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER)
+
+
+def test_load_of_a_truncated_file(saved):
+  ex, path = saved
+  path.write_text(path.read_text()[:200])
+  with pytest.raises(ad.PlanFileError, match="truncated or corrupted"):
+    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER)
+
+
+def test_load_of_a_file_with_wrong_choices(saved):
+  ex, path = saved
+  import json
+  data = json.loads(path.read_text())
+  data["choice"] = data["choice"][:-3]
+  path.write_text(json.dumps(data))
+  with pytest.raises(ad.PlanFileError, match="does not fit this program"):
+    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER)
+
+
+def test_save_leaves_the_old_file_whole_when_writing_fails(saved,
+                                                          monkeypatch):
+  ex, path = saved
+  before = path.read_text()
+  plan = ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                      cluster=TEST_CLUSTER)
+
+  def boom(*a, **k):
+    raise OSError("disk full")
+
+  monkeypatch.setattr("autoddl_jax._io.os.replace", boom)
+  with pytest.raises(OSError, match="disk full"):
+    plan.save(path)
+  assert path.read_text() == before
+  assert [p.name for p in path.parent.iterdir()] == ["plan.json"]
