@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -254,6 +255,7 @@ class Plan:
     self.out_specs = jax.tree_util.tree_unflatten(traced.out_tree, out_specs)
     self.in_shardings = self._shard_tree(self.in_specs, mesh)
     self.out_shardings = self._shard_tree(self.out_specs, mesh)
+    self._baselines: dict[str, PlanCost] = {}
 
   def _op_codes(self, op: int) -> tuple[int, ...]:
     return self.problem.cands[op][self.choice[op]][0]
@@ -367,22 +369,62 @@ class Plan:
                       bytes=float(prob.edge_pair(e, kp, kc, "bytes"))))
     return out
 
+  def user_paths(self) -> list[str]:
+    """Each argument leaf's path as the user named it (``0/layers/wq``)."""
+    return ["/".join(k for k in keys if k != "value")
+            for keys in self._traced.in_keys]
+
+  def baseline_cost(self, kind: str = "dp") -> PlanCost:
+    """What a textbook plan costs on the same mesh and cluster, for scale:
+    ``"dp"`` (parameters replicated, the batch split over every axis),
+    ``"fsdp"`` (parameters too split over every axis, ZeRO-3) or
+    ``"megatron"`` (matmul weights alternately column- and row-split over the
+    last axis, data parallel over the others); each completed by the same
+    search with those placements held."""
+    if kind not in self._baselines:
+      tr, prob = self._traced, self.problem
+      out_to_in, _ = _state_ties(tr)
+      seeds = _seeds(prob, self.graph, tr, self.mesh_info,
+                     set(out_to_in.values()))
+      if kind not in seeds or kind in ("tp_col", "tp_row", "replicated"):
+        raise ValueError(f"unknown baseline {kind!r}; use 'dp', 'fsdp' or "
+                         "'megatron'")
+      pins = seeds[kind]
+      res = _search.coordinate_descent(prob, {kind: pins},
+                                       fixed_ops=list(pins))
+      self._baselines[kind] = PlanCost.of(prob.evaluate(res.choice))
+    return self._baselines[kind]
+
+  def data_parallel_cost(self) -> PlanCost:
+    """``baseline_cost("dp")``."""
+    return self.baseline_cost("dp")
+
   def explain(self, max_rows: int = 40) -> str:
+    """The plan as text: per argument its nd-SBP, ``PartitionSpec`` and bytes
+    per device; the costliest reshardings (collective, bytes, time); totals
+    beside data parallelism's."""
     mi = self.mesh_info
     lines = [f"autoddl_jax plan on mesh "
              f"{dict(zip(mi.axis_names, mi.axis_sizes))} "
              f"(links: {dict(zip(mi.axis_names, mi.link))})"]
-    c = self.cost
-    lines.append(
-        f"predicted per device per step: time {c.time_s * 1e3:.4g} ms = "
-        f"compute {c.compute_s * 1e3:.4g} ms + comm {c.comm_s * 1e3:.4g} ms; "
-        f"comm {_fmt_bytes(c.comm_bytes)}; peak memory "
-        f"{_fmt_bytes(c.memory_bytes)}")
+    c, dp = self.cost, self.data_parallel_cost()
+    rows = [("per device per step", "this plan", "data parallel")]
+    for name, a, b in (
+        ("time", f"{c.time_s * 1e3:.4g} ms", f"{dp.time_s * 1e3:.4g} ms"),
+        ("  compute", f"{c.compute_s * 1e3:.4g} ms",
+         f"{dp.compute_s * 1e3:.4g} ms"),
+        ("  communication", f"{c.comm_s * 1e3:.4g} ms",
+         f"{dp.comm_s * 1e3:.4g} ms"),
+        ("bytes sent", _fmt_bytes(c.comm_bytes), _fmt_bytes(dp.comm_bytes)),
+        ("peak memory", _fmt_bytes(c.memory_bytes),
+         _fmt_bytes(dp.memory_bytes))):
+      rows.append((name, a, b))
+    lines.append(_table(rows))
     if self.search is not None:
-      lines.append(f"search: best seed {self.search.seed!r}, "
+      lines.append(f"search: best start {self.search.seed!r}, "
                    f"{self.search_seconds:.2f} s")
     rows = [("argument", "shape", "nd-SBP", "PartitionSpec", "bytes/device")]
-    for name, a, s in zip(self._traced.in_names, self._traced.in_avals,
+    for name, a, s in zip(self.user_paths(), self._traced.in_avals,
                           self.in_sbps):
       spec = codes_to_spec(s.codes, len(a.shape), mi.axis_names)
       local = math.prod(a.shape) * _itemsize(a) / math.prod(
@@ -593,9 +635,20 @@ def _user_codes(tr: _Traced, mi: MeshInfo):
   return codes
 
 
+def _seeds(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
+           state: set[int]) -> dict[str, dict[int, int]]:
+  seeds = {}
+  for kind in SEEDS:
+    seeds[kind] = _pins_for(prob, graph, tr, mi, lambda i, kind=kind: (
+        _seed_codes(kind, tr.in_avals[i].shape, mi.axis_sizes, i in state)
+        if tr.splittable[i] else None))
+  seeds["megatron"] = _megatron_seed(prob, graph, tr, mi, state)
+  return seeds
+
+
 def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
          cluster: Cluster | None = None, memory_budget: float | None = None,
-         verbose: bool = False) -> Plan:
+         verbose: bool | None = None) -> Plan:
   """Finds a sharding plan for ``fn(*args)`` on ``mesh``.
 
   Args:
@@ -607,7 +660,9 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       ``AbstractMesh`` for planning without devices.
     cluster: the hardware to cost for; defaults to an H100 node preset.
     memory_budget: bytes per device the plan's peak memory must fit in.
-    verbose: print one line per seed and sweep.
+    verbose: print the search's progress to stderr (one line per start and
+      round, with the best cost so far); by default only when stderr is a
+      terminal, so scripts, logs and tests stay quiet.
 
   Returns:
     A :class:`Plan`.
@@ -617,21 +672,22 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
   if memory_budget is not None and not memory_budget > 0:
     raise ValueError(f"memory_budget must be a positive number of bytes, got "
                      f"{memory_budget!r}")
-  seeds = {}
-  for kind in SEEDS:
-    seeds[kind] = _pins_for(prob, graph, tr, mi, lambda i, kind=kind: (
-        _seed_codes(kind, tr.in_avals[i].shape, mi.axis_sizes, i in state)
-        if tr.splittable[i] else None))
-  seeds["megatron"] = _megatron_seed(prob, graph, tr, mi, state)
+  seeds = _seeds(prob, graph, tr, mi, state)
   if any(s is not None for s in tr.shardings):
     user = _pins_for(prob, graph, tr, mi, _user_codes(tr, mi))
     if user:
       seeds = {"user": user, **seeds}
   progress = None
+  if verbose is None:
+    verbose = sys.stderr.isatty()
   if verbose:
+    print(f"[autoddl_jax] planning {len(graph.ops)} ops, "
+          f"{len(prob.groups)} coordinates, {len(seeds)} seeds on "
+          f"{dict(zip(mi.axis_names, mi.axis_sizes))}", file=sys.stderr,
+          flush=True)
     progress = lambda seed, sweep, obj: print(  # noqa: E731
-        f"[autoddl_jax] seed {seed:>10}  sweep {sweep:>3}  cost "
-        f"{obj * 1e3:.6g} ms", flush=True)
+        f"[autoddl_jax] start {seed:>10}  sweep {sweep:>3}  best "
+        f"{obj * 1e3:.6g} ms", file=sys.stderr, flush=True)
   res = _search.coordinate_descent(prob, seeds, progress=progress,
                                    polish=getattr(prob, "untied", None))
   choice = res.choice

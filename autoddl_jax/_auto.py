@@ -62,7 +62,7 @@ class AutoShard:
 
   def __init__(self, fn: Callable, mesh: Mesh | None, cluster: Cluster | None,
                memory_budget: float | None, donate_argnums: Sequence[int],
-               verbose: bool):
+               verbose: bool | None):
     functools.update_wrapper(self, fn)
     self._fn = fn
     self._mesh = mesh
@@ -134,7 +134,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
                cluster: Cluster | None = None,
                memory_budget: float | None = None,
                donate_argnums: int | Sequence[int] = (),
-               verbose: bool = False) -> Any:
+               verbose: bool | None = None) -> Any:
   """Plans a step's sharding on first call and runs it with ``jax.jit``.
 
   Use as ``@ad.auto_shard(mesh=mesh)``, bare as ``@ad.auto_shard`` (one
@@ -154,7 +154,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
     cluster: the hardware to cost for (default: ``ad.H100_NODE``).
     memory_budget: bytes per device the plan must fit in.
     donate_argnums: passed to ``jax.jit``.
-    verbose: print the search's progress.
+    verbose: print the search's progress (default: when stderr is a tty).
   """
   if isinstance(donate_argnums, int):
     donate_argnums = (donate_argnums,)

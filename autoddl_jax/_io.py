@@ -42,7 +42,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
   mi = plan.mesh_info
   tr = plan._traced  # noqa: SLF001
   args = []
-  for name, a, s, spec in zip(tr.in_names, tr.in_avals, plan.in_sbps,
+  for name, a, s, spec in zip(plan.user_paths(), tr.in_avals, plan.in_sbps,
                               _flat_specs(plan)):
     args.append(dict(path=name, shape=list(a.shape), dtype=str(a.dtype),
                      sbp=repr(s), spec=str(spec)))
@@ -143,7 +143,7 @@ def load(path: str | os.PathLike, fn: Callable, args: tuple, mesh,
     old = {a["path"]: (tuple(a["shape"]), a["dtype"])
            for a in data["arguments"]}
     new = {n: (tuple(a.shape), str(a.dtype))
-           for n, a in zip(tr.in_names, tr.in_avals)}
+           for n, a in zip(plan.user_paths(), tr.in_avals)}
     changed = [k for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k)]
     what = (f"arguments differ: {', '.join(changed[:5])}" if changed else

@@ -40,7 +40,11 @@ def test_plan_fields_and_explain():
   assert c.time_s == pytest.approx(c.compute_s + c.comm_s)
   assert c.comm_bytes >= 0 and c.memory_bytes > 0
   text = plan.explain()
-  assert "[0]['w0']" in text and "PartitionSpec" in text and "nd-SBP" in text
+  assert "0/w0" in text and "PartitionSpec" in text and "nd-SBP" in text
+  assert "data parallel" in text
+  dp = plan.data_parallel_cost()
+  assert plan.cost.time_s <= dp.time_s * (1 + 1e-9)
+  assert plan.user_paths()[0] == "0/b0"
   lowered = plan.jit().lower(*ex.args)  # jit() supports .lower
   assert lowered.compile() is not None
 
