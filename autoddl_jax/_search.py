@@ -46,7 +46,7 @@ UNSEEDED = "unseeded"  # the name of the search from no seed at all
 SEED_EFFORT = 0  # local moves after each seed's message passing
 FINAL_EFFORT = 1  # ... and on the best few
 _SEED_PATIENCE = 3  # message-passing iterations without a better labelling
-_FREE_PATIENCE = 30  # ... for the unseeded search
+_FREE_PATIENCE = 100  # ... for the unseeded search (its decodings plateau, then improve)
 
 
 @dataclasses.dataclass
@@ -224,23 +224,34 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
   order = list(core)
   pos = {g: i for i, g in enumerate(order)}
   nbrs = {g: sorted(nb for nb in mrf.adj[g] if nb in pos) for g in order}
-  msg = {(a, b): np.zeros(mrf.K[b]) for a in order for b in nbrs[a]}
+  # Directed edges get ids; msgs[e] is the message along edge e.
+  eid = {(a, b): i for i, (a, b) in enumerate(
+      (a, b) for a in order for b in nbrs[a])}
+  msgs = [np.zeros(mrf.K[b]) for (_, b) in eid]
   belief = {g: mrf.U[g].copy() for g in order}
-  # Per node: (neighbour, pair matrix oriented (node, neighbour)), split
-  # into the neighbours before and after it in the order.
+  # Per node: (neighbour, pair matrix oriented (node, neighbour), id of the
+  # edge in, id of the edge out), split into the neighbours before and after
+  # it in the order.
   earlier, later, gamma = {}, {}, {}
   for g in order:
-    earlier[g] = [(nb, mrf.pair(g, nb)) for nb in nbrs[g] if pos[nb] < pos[g]]
-    later[g] = [(nb, mrf.pair(g, nb)) for nb in nbrs[g] if pos[nb] > pos[g]]
+    ends = [(nb, mrf.pair(g, nb), eid[(nb, g)], eid[(g, nb)])
+            for nb in nbrs[g]]
+    earlier[g] = [x for x in ends if pos[x[0]] < pos[g]]
+    later[g] = [x for x in ends if pos[x[0]] > pos[g]]
     gamma[g] = 1.0 / max(len(earlier[g]), len(later[g]), 1)
 
   def send(g, targets):
-    for nb, m in targets:
-      t = gamma[g] * belief[g] - msg[(nb, g)]
-      m = (t[:, None] + m).min(axis=0)
+    if not targets:
+      return
+    scaled = gamma[g] * belief[g]
+    for nb, m, e_in, e_out in targets:
+      m = (scaled - msgs[e_in])[:, None] + m
+      m = m.min(axis=0)
       m -= m.min()
-      belief[nb] += m - msg[(g, nb)]
-      msg[(g, nb)] = m
+      b = belief[nb]
+      b += m
+      b -= msgs[e_out]
+      msgs[e_out] = m
 
   def decode():
     """Labels in order; returns them and their exact energy on the core."""
@@ -248,11 +259,12 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
     energy = 0.0
     for g in order:
       v = belief[g].copy()
-      for nb, m in earlier[g]:
-        v += m[:, x[nb]] - msg[(nb, g)]
+      for nb, m, e_in, _ in earlier[g]:
+        v += m[:, x[nb]]
+        v -= msgs[e_in]
       k = x[g] = int(np.argmin(v))
       energy += float(mrf.U[g][k]) + sum(float(m[k, x[nb]])
-                                         for nb, m in earlier[g])
+                                         for nb, m, _, _ in earlier[g])
     return x, energy
 
   best, best_obj, stale = None, np.inf, 0
@@ -262,7 +274,7 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
     for g in reversed(order):
       send(g, earlier[g])
     x, obj = decode()
-    if obj < best_obj - _EPS * max(1.0, abs(best_obj)):
+    if best is None or obj < best_obj - _EPS * max(1.0, abs(best_obj)):
       best, best_obj, stale = x, obj, 0
     else:
       stale += 1

@@ -26,7 +26,9 @@ class Verification:
 
   Bytes are ring-model bytes each device sends; ``by_kind`` maps a collective
   kind to (predicted bytes, emitted bytes). FLOPs and memory come from XLA's
-  ``cost_analysis`` and ``memory_analysis`` of the compiled program.
+  ``cost_analysis`` and ``memory_analysis`` of the compiled program; XLA
+  counts a ``while`` body's FLOPs once, so they are compared with the plan's
+  FLOPs counted the same way (``predicted_flops`` has every trip).
   """
 
   by_kind: dict[str, tuple[float, float]]
@@ -35,6 +37,7 @@ class Verification:
   predicted_comm_s: float
   emitted_comm_s: float  # emitted collectives on the cluster's alpha-beta links
   predicted_flops: float
+  predicted_flops_loops_once: float  # loop bodies counted once, as XLA does
   xla_flops: float | None
   predicted_memory: float
   xla_memory: float | None
@@ -60,7 +63,8 @@ class Verification:
     rows = [(f"{k} bytes", p, e) for k, (p, e) in self.by_kind.items()]
     rows += [("collective bytes", self.predicted_bytes, self.emitted_bytes),
              ("collective time s", self.predicted_comm_s, self.emitted_comm_s),
-             ("FLOPs", self.predicted_flops, self.xla_flops),
+             ("FLOPs, loops once", self.predicted_flops_loops_once,
+              self.xla_flops),
              ("peak memory bytes", self.predicted_memory, self.xla_memory)]
     return rows
 
@@ -107,6 +111,15 @@ def _first(analysis: Any) -> Any:
   return analysis
 
 
+def peak_bytes(mem: Any) -> float:
+  """Peak device memory of a compiled program from its memory analysis."""
+  peak = getattr(mem, "peak_memory_in_bytes", 0) or 0
+  if peak:
+    return float(peak)
+  return float(mem.argument_size_in_bytes + mem.output_size_in_bytes +
+               mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+
+
 def verify(plan: Plan, pin_inputs: bool = True) -> Verification:
   mesh = plan._auto_mesh()  # noqa: SLF001 (the same package)
   tr = plan._traced  # noqa: SLF001
@@ -127,19 +140,20 @@ def verify(plan: Plan, pin_inputs: bool = True) -> Verification:
   cost = _first(compiled.cost_analysis())
   flops = None if not cost or "flops" not in cost else float(cost["flops"])
   mem = compiled.memory_analysis()
-  xla_mem = None
-  if mem is not None:
-    xla_mem = float(mem.argument_size_in_bytes + mem.output_size_in_bytes +
-                    mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+  xla_mem = None if mem is None else peak_bytes(mem)
   cl = plan.cluster
+  rate = cl.peak_flops * cl.flops_efficiency
+  prob = plan.problem
+  once = sum(float(prob.compute[o.id][plan.choice[o.id]]) / o.weight
+             for o in plan.graph.ops if o.weight > 0) * rate
   return Verification(
       by_kind=by_kind,
       predicted_bytes=plan.cost.comm_bytes,
       emitted_bytes=sum(c.total_bytes_per_device for c in cols),
       predicted_comm_s=plan.cost.comm_s,
       emitted_comm_s=_hlo.emitted_seconds(cols, plan.mesh_info),
-      predicted_flops=plan.cost.compute_s * cl.peak_flops *
-      cl.flops_efficiency,
+      predicted_flops=plan.cost.compute_s * rate,
+      predicted_flops_loops_once=once,
       xla_flops=flops,
       predicted_memory=plan.cost.memory_bytes,
       xla_memory=xla_mem,

@@ -44,6 +44,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax import _hlo, _search, models  # noqa: E402
 from autoddl_jax._cluster import mesh_info  # noqa: E402
+from autoddl_jax._verify import peak_bytes  # noqa: E402
 
 CLUSTERS = {
     "2x4": dataclasses.replace(ad.H100_NODE, devices_per_node=4),
@@ -83,9 +84,7 @@ def _xla_score(compiled, mesh, cluster):
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float(cost.get("flops", 0.0)) if cost else 0.0
-  mem = compiled.memory_analysis()
-  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes +
-          mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+  peak = peak_bytes(compiled.memory_analysis())
   mi = mesh_info(mesh, cluster)
   seconds = flops / (cluster.peak_flops * cluster.flops_efficiency) + \
       _hlo.emitted_seconds(cols, mi)
