@@ -6,6 +6,8 @@
 >>> step = plan.jit()                                      # doctest: +SKIP
 """
 
+from autoddl_jax import checkpoint as checkpoint
+from autoddl_jax import distributed as distributed
 from autoddl_jax._api import MemoryBudgetError as MemoryBudgetError
 from autoddl_jax._api import Plan as Plan
 from autoddl_jax._api import PlanCost as PlanCost
@@ -33,6 +35,6 @@ __version__ = "0.1.0"
 __all__ = [
     "B", "Cluster", "Collective", "H100_NODE", "MemoryBudgetError", "NdSbp",
     "P", "Plan", "PlanCost", "PlanFileError", "S", "Sbp",
-    "UnsupportedPrimitiveWarning", "auto_shard", "collectives", "cost_of",
-    "hand_plan", "load_plan", "plan",
+    "UnsupportedPrimitiveWarning", "auto_shard", "checkpoint", "collectives",
+    "cost_of", "distributed", "hand_plan", "load_plan", "plan",
 ]

@@ -45,10 +45,18 @@ def _abstract(x: Any, mesh: Mesh) -> Any:
 
 
 def _place(x: Any, s: NamedSharding) -> Any:
-  """``x`` on sharding ``s``; arrays already there are passed as they are."""
+  """``x`` on sharding ``s``; arrays already there are passed as they are.
+  With several processes, a value every process holds whole becomes a
+  global array of which each process keeps its devices' shards."""
   if isinstance(x, jax.Array) and (x.sharding == s or (
       x.sharding.is_equivalent_to(s, x.ndim))):
     return x
+  if jax.process_count() > 1 and not (isinstance(x, jax.Array) and
+                                      not x.is_fully_addressable):
+    import numpy as np
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, s,
+                                        lambda idx: value[idx])
   return jax.device_put(x, s)
 
 
@@ -95,6 +103,9 @@ class AutoShard:
         abstract = jax.tree.map(lambda x: _abstract(x, self.mesh), args)
         p = make_plan(fn, *abstract, mesh=self.mesh, cluster=self._cluster,
                       memory_budget=self._budget, verbose=self._verbose)
+        if jax.process_count() > 1:  # one plan everywhere, before compiling
+          from autoddl_jax.distributed import check_same_plan
+          check_same_plan(p)
         self.plans[key] = p
         self._jitted[key] = p.jit(donate_argnums=self._donate)
       self.plan = self.plans[key]

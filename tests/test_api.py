@@ -23,8 +23,8 @@ def test_public_face_is_small():
   assert set(ad.__all__) == {
       "B", "Cluster", "Collective", "H100_NODE", "MemoryBudgetError", "NdSbp",
       "P", "Plan", "PlanCost", "PlanFileError", "S", "Sbp",
-      "UnsupportedPrimitiveWarning", "auto_shard", "collectives", "cost_of",
-      "hand_plan", "load_plan", "plan"}
+      "UnsupportedPrimitiveWarning", "auto_shard", "checkpoint", "collectives",
+      "cost_of", "distributed", "hand_plan", "load_plan", "plan"}
 
 
 def test_plan_fields_and_explain():

@@ -1,0 +1,55 @@
+"""A process of the multi-process tests (run by autoddl_jax.launch or by
+hand): ``mp_worker.py MODE``.
+
+  fingerprint  plan a small step and print this process's plan fingerprint
+  mismatch     process 1 plans for another cluster: check_same_plan must fail
+  die          process 1 kills itself (SIGKILL) at the start of step 2
+  join         only join (for coordinator and device-count errors)
+"""
+
+import os
+import signal
+import sys
+
+import autoddl_jax as ad
+
+mode = sys.argv[1]
+try:
+  ad.distributed.initialize(timeout_s=int(os.environ.get("JOIN_TIMEOUT", 30)))
+except ad.distributed.DistributedError as e:
+  print(f"DistributedError: {e}", flush=True)
+  sys.exit(3)
+if mode == "join":
+  print("joined", flush=True)
+  sys.exit(0)
+
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+from autoddl_jax import models  # noqa: E402
+
+pid = jax.process_index()
+mesh = jax.make_mesh((2, 4), ("data", "model"),
+                     axis_types=(jax.sharding.AxisType.Auto,) * 2)
+ex = models.mlp(optimizer=optax.sgd(0.1))
+cluster = ad.H100_NODE
+if mode == "mismatch" and pid == 1:
+  cluster = dataclasses.replace(cluster, inter_node_bandwidth=1e9,
+                                devices_per_node=2)
+plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=cluster, verbose=False)
+print(f"fingerprint {ad.distributed.plan_fingerprint(plan)}", flush=True)
+try:
+  ad.distributed.check_same_plan(plan)
+except ad.distributed.DistributedError as e:
+  print(f"DistributedError: {e}", flush=True)
+  sys.exit(4)
+step = ad.auto_shard(ex.step, mesh=mesh, cluster=cluster, verbose=False)
+params, opt_state = ex.params, ex.opt_state
+for i in range(4):
+  if mode == "die" and pid == 1 and i == 2:
+    print("dying", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+  params, opt_state, loss = step(params, opt_state, ex.batch)
+  print(f"step {i} loss {float(ad.distributed.to_host(loss)):.6f}", flush=True)

@@ -1,0 +1,137 @@
+"""Several processes on loopback through autoddl_jax.launch: the same numbers
+as one process, one plan everywhere, faults that end cleanly, checkpoints that
+reshard. Every wait is bounded."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autoddl_jax as ad
+from autoddl_jax import models
+from autoddl_jax.launch import free_port
+from helpers import make_mesh, rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "mp_worker.py")
+
+
+def _launch(*args, timeout=240, grace=3):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
+  t0 = time.monotonic()
+  r = subprocess.run(
+      [sys.executable, "-m", "autoddl_jax.launch", "--nproc", "2",
+       "--devices-per-proc", "4", "--timeout", str(timeout - 20), "--grace",
+       str(grace), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=timeout)
+  return r, time.monotonic() - t0
+
+
+def test_two_processes_train_like_one(tmp_path):
+  out = tmp_path / "mh.npz"
+  r, _ = _launch("examples/multihost.py", "--out", str(out))
+  assert r.returncode == 0, r.stdout[-4000:]
+  assert "[p0] step 2: loss" in r.stdout
+  got = np.load(out)
+  # The same step on one process with 8 devices.
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "mh", os.path.join(ROOT, "examples", "multihost.py"))
+  src = open(spec.origin).read()
+  cfg = eval(re.search(r"CONFIG = (models\.GptConfig\(.*?\))", src,  # noqa
+                       re.S).group(1), {"models": models})
+  ex = models.gpt(cfg, optimizer=optax.adamw(1e-3))
+  step = ad.auto_shard(ex.step, mesh=make_mesh((2, 4), explicit=False))
+  params, opt_state, losses = ex.params, ex.opt_state, []
+  for _ in range(3):
+    params, opt_state, loss = step(params, opt_state, ex.batch)
+    losses.append(float(loss))
+  np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+  for k, v in jax.tree_util.tree_leaves_with_path(params):
+    assert rel_err(got[jax.tree_util.keystr(k)], v) <= 1e-5, k
+
+
+def test_every_process_has_the_same_plan():
+  r, _ = _launch(WORKER, "fingerprint")
+  assert r.returncode == 0, r.stdout[-4000:]
+  fps = dict(re.findall(r"\[p(\d)\] fingerprint ([0-9a-f]+)", r.stdout))
+  assert set(fps) == {"0", "1"} and fps["0"] == fps["1"]
+
+
+def test_a_different_plan_on_one_process_is_caught():
+  r, _ = _launch(WORKER, "mismatch")
+  assert r.returncode != 0
+  assert "processes [1] differ from process 0" in r.stdout, r.stdout[-4000:]
+
+
+def test_a_killed_process_ends_the_other_within_the_bound():
+  grace = 3
+  r, took = _launch(WORKER, "die", grace=grace)
+  assert "[p1] dying" in r.stdout, r.stdout[-4000:]
+  assert "[launch] process 1 was killed by SIGKILL" in r.stdout
+  assert r.returncode == 128 + 9
+  # Bound: the launcher polls every 0.05 s, then SIGTERM, SIGKILL after
+  # `grace`. Start-up and the first two steps take the rest.
+  steps_done = r.stdout.rindex("[p1] dying")
+  assert steps_done > 0 and took < 200
+
+
+def test_an_unreachable_coordinator_is_a_clear_error():
+  env = dict(os.environ, AUTODDL_COORDINATOR=f"127.0.0.1:{free_port()}",
+             AUTODDL_NUM_PROCESSES="2", AUTODDL_PROCESS_ID="1",
+             AUTODDL_DEVICES_PER_PROC="4", JAX_PLATFORMS="cpu",
+             JOIN_TIMEOUT="3")
+  t0 = time.monotonic()
+  r = subprocess.run([sys.executable, WORKER, "join"], env=env, cwd=ROOT,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 3, r.stdout + r.stderr[-2000:]
+  assert "could not join the job through the coordinator at 127.0.0.1" in \
+      r.stdout
+  assert time.monotonic() - t0 < 60
+
+
+def test_checkpoint_from_a_2x4_plan_restores_under_an_8_plan(tmp_path):
+  ex = models.mlp()
+  a = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4), explicit=False))
+  b = ad.plan(ex.step, *ex.args, mesh=make_mesh((8,), explicit=False))
+  params = jax.device_put(ex.params, a.in_shardings[0])
+  ad.checkpoint.save(tmp_path / "ckpt", params)
+  back = ad.checkpoint.restore(tmp_path / "ckpt", b.in_shardings[0],
+                               like=ex.params)
+  for x, y, s in zip(jax.tree.leaves(back), jax.tree.leaves(ex.params),
+                     jax.tree.leaves(b.in_shardings[0])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+
+
+def test_initialize_after_jax_started_says_to_move_it():
+  jax.devices()
+  with pytest.raises(ad.distributed.DistributedError, match="must run before"):
+    ad.distributed.initialize(local_device_count=4)
+
+
+def test_mismatched_device_counts_are_a_clear_error():
+  port = free_port()
+  procs = []
+  for i, devices in enumerate((4, 2)):
+    env = dict(os.environ, AUTODDL_COORDINATOR=f"127.0.0.1:{port}",
+               AUTODDL_NUM_PROCESSES="2", AUTODDL_PROCESS_ID=str(i),
+               AUTODDL_DEVICES_PER_PROC=str(devices), JAX_PLATFORMS="cpu")
+    procs.append(subprocess.Popen([sys.executable, WORKER, "join"], env=env,
+                                  cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=90)[0])
+    finally:
+      p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 3, out[-2000:]
+    assert "processes have different device counts: 6 devices in all" in out
