@@ -334,6 +334,44 @@ class Plan:
                        f"argnum {argnum} is not one of them")
     return self.in_specs[argnum]
 
+  def logical_rules(self, logical_specs: Any, argnum: int = 0
+                    ) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """The plan as flax logical-axis rules, where that is exact.
+
+    ``logical_specs`` names each dim of argument ``argnum``'s leaves (a pytree
+    of ``PartitionSpec``s of logical names, as ``nn.get_partition_spec`` /
+    ``nnx.get_partition_spec`` give for annotated parameters). Returns
+    ``((logical name, mesh axes or None), ...)`` for
+    ``nn.logical_to_mesh_sharding`` and friends. Raises ``ValueError`` naming
+    the conflicts when the plan splits one logical name differently in
+    different places (then no rule set is exact: use :meth:`param_specs`).
+    """
+    planned = self.param_specs(argnum)
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    names = jax.tree_util.tree_leaves_with_path(logical_specs, is_leaf=is_spec)
+    plans = jax.tree_util.tree_leaves(planned, is_leaf=is_spec)
+    if len(names) != len(plans):
+      raise ValueError(f"logical_specs has {len(names)} leaves; argument "
+                       f"{argnum} has {len(plans)}")
+    rules: dict[str, Any] = {}
+    conflicts = []
+    for (path, lspec), pspec in zip(names, plans):
+      if not is_spec(lspec):
+        continue
+      for d, name in enumerate(lspec):
+        if name is None:
+          continue
+        axes = pspec[d] if d < len(pspec) else None
+        if name in rules and rules[name] != axes:
+          conflicts.append(f"{name!r}: {rules[name]!r} and {axes!r} (at "
+                           f"{jax.tree_util.keystr(path)})")
+        rules.setdefault(name, axes)
+    if conflicts:
+      raise ValueError("no exact logical-axis rules for this plan; the plan "
+                       "splits these names differently: " +
+                       "; ".join(conflicts))
+    return tuple(rules.items())
+
   def save(self, path) -> None:
     """Writes the plan as versioned JSON (atomically: temp file + rename),
     with fingerprints of the program, mesh and cluster it was made for. Read

@@ -265,3 +265,29 @@ def test_save_leaves_the_old_file_whole_when_writing_fails(saved,
     plan.save(path)
   assert path.read_text() == before
   assert [p.name for p in path.parent.iterdir()] == ["plan.json"]
+
+
+def test_logical_rules_where_exact_and_conflicts_named():
+  from jax.sharding import PartitionSpec as P
+  mesh = make_mesh((2, 4), explicit=False)
+  w = {"a": jnp.ones((512, 2048)), "b": jnp.ones((2048, 512))}
+  x = jnp.ones((8, 512))
+
+  def step(w, x):  # big weights, a small batch: worth splitting the weights
+    loss = lambda w: jnp.sum(jax.nn.relu(x @ w["a"]) @ w["b"])  # noqa: E731
+    return jax.tree.map(lambda p, g: p - 0.1 * g, w, jax.grad(loss)(w))
+
+  plan = ad.plan(step, w, x, mesh=mesh, cluster=TEST_CLUSTER)
+  specs = plan.param_specs()
+  # Name each dim after its own placement: always consistent.
+  logical = {k: P(*[f"{k}{d}" for d in range(2)]) for k in w}
+  rules = dict(plan.logical_rules(logical))
+  for k in w:
+    for d in range(2):
+      want = specs[k][d] if d < len(specs[k]) else None
+      assert rules[f"{k}{d}"] == want
+  # One name for every dim: consistent only if the plan splits none.
+  flat = {k: P("x", "x") for k in w}
+  assert any(e is not None for s in specs.values() for e in s), specs
+  with pytest.raises(ValueError, match="splits these names differently"):
+    plan.logical_rules(flat)
