@@ -207,47 +207,33 @@ def test_load_against_another_program_says_what_differs(saved):
                  cluster=TEST_CLUSTER)
 
 
-def test_load_on_another_mesh_shape(saved):
-  ex, path = saved
-  with pytest.raises(ad.PlanFileError, match=r"made for mesh \{'data': 2, "
-                     r"'model': 4\}, not \{'data': 4, 'model': 2\}"):
-    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((4, 2)),
-                 cluster=TEST_CLUSTER)
+def _edit_version(text):
+  return text.replace('"version": 1', '"version": 99')
 
 
-def test_load_for_another_cluster(saved):
-  ex, path = saved
-  with pytest.raises(ad.PlanFileError, match="another cluster.*devices_per"):
-    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
-                 cluster=ad.Cluster(devices_per_node=2))
-
-
-def test_load_of_another_format_version(saved):
-  ex, path = saved
-  text = path.read_text().replace('"version": 1', '"version": 99')
-  path.write_text(text)
-  with pytest.raises(ad.PlanFileError, match="format version 99"):
-    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
-                 cluster=TEST_CLUSTER)
-
-
-def test_load_of_a_truncated_file(saved):
-  ex, path = saved
-  path.write_text(path.read_text()[:200])
-  with pytest.raises(ad.PlanFileError, match="truncated or corrupted"):
-    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
-                 cluster=TEST_CLUSTER)
-
-
-def test_load_of_a_file_with_wrong_choices(saved):
-  ex, path = saved
+def _drop_choices(text):
   import json
-  data = json.loads(path.read_text())
+  data = json.loads(text)
   data["choice"] = data["choice"][:-3]
-  path.write_text(json.dumps(data))
-  with pytest.raises(ad.PlanFileError, match="does not fit this program"):
-    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh((2, 4)),
-                 cluster=TEST_CLUSTER)
+  return json.dumps(data)
+
+
+@pytest.mark.parametrize("edit,shape,cluster,match", [
+    (None, (4, 2), TEST_CLUSTER,
+     r"made for mesh \{'data': 2, 'model': 4\}, not \{'data': 4, 'model': 2\}"),
+    (None, (2, 4), ad.Cluster(devices_per_node=2),
+     "another cluster.*devices_per"),
+    (_edit_version, (2, 4), TEST_CLUSTER, "format version 99"),
+    (lambda t: t[:200], (2, 4), TEST_CLUSTER, "truncated or corrupted"),
+    (_drop_choices, (2, 4), TEST_CLUSTER, "does not fit this program"),
+], ids=["mesh", "cluster", "version", "truncated", "choices"])
+def test_load_errors_say_what_differs(saved, edit, shape, cluster, match):
+  ex, path = saved
+  if edit is not None:
+    path.write_text(edit(path.read_text()))
+  with pytest.raises(ad.PlanFileError, match=match):
+    ad.load_plan(path, ex.step, *ex.args, mesh=make_mesh(shape),
+                 cluster=cluster)
 
 
 def test_save_leaves_the_old_file_whole_when_writing_fails(saved,
