@@ -130,6 +130,11 @@ def verify(plan: Plan, pin_inputs: bool = True) -> Verification:
           for a, s in zip(tr.in_avals, flat_sh)]
   args = jax.tree_util.tree_unflatten(tr.in_tree, args)
   compiled = plan.jit(pin_inputs=pin_inputs).lower(*args).compile()
+  return compare_compiled(plan, compiled, mesh)
+
+
+def compare_compiled(plan: Plan, compiled: Any, mesh: Any) -> Verification:
+  """:meth:`Plan.verify` for a program already compiled from the plan."""
   cols = _hlo.collectives(compiled, mesh)
   pred = predicted_by_kind(plan)
   emitted: dict[str, float] = collections.defaultdict(float)

@@ -44,7 +44,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax import _hlo, _search, models  # noqa: E402
 from autoddl_jax._cluster import mesh_info  # noqa: E402
-from autoddl_jax._verify import peak_bytes  # noqa: E402
+from autoddl_jax._verify import compare_compiled, peak_bytes  # noqa: E402
 
 CLUSTERS = {
     "2x4": dataclasses.replace(ad.H100_NODE, devices_per_node=4),
@@ -122,7 +122,7 @@ def main(argv=None):
   ap.add_argument("--exact-limit", type=float, default=60.0)
   args = ap.parse_args(argv)
   t_start = time.perf_counter()
-  rows = []
+  rows, disagreements = [], []
   compiled_cache = {}
   for mname, (ex, family) in examples(args.quick).items():
     for shape in MESHES:
@@ -161,8 +161,18 @@ def main(argv=None):
             print(f"[compare]   no plan fits: {e}", file=sys.stderr)
             rows += scored
             continue
-          xla_s, emitted, peak = _xla_score(_compile_plan(plan), mesh,
-                                            cluster)
+          compiled = _compile_plan(plan)
+          xla_s, emitted, peak = _xla_score(compiled, mesh, cluster)
+          v = compare_compiled(plan, compiled, mesh)
+          disagreements.append(dict(
+              case, **{f"{k} MiB (pred/XLA)":
+                       f"{p / 2**20:.3g}/{e / 2**20:.3g}"
+                       for k, (p, e) in v.by_kind.items()},
+              flops_ratio=v.predicted_flops_loops_once / v.xla_flops
+              if v.xla_flops else float("nan"),
+              memory_ratio=v.predicted_memory / v.xla_memory
+              if v.xla_memory else float("nan"),
+              off=", ".join(v.disagreements()) or "-"))
           gap = ""
           if budget is None:
             best = _search.exact(plan.problem, time_limit=args.exact_limit)
@@ -185,6 +195,10 @@ def main(argv=None):
           rows += scored
   _print(rows)
   _summary(rows)
+  print("\nWhere autoddl's plans and XLA disagree (bytes per device per step "
+        "by collective kind; FLOPs with loop bodies counted once; peak "
+        "memory); 'off' lists what differs by more than 10%:")
+  _print_disagreements(disagreements)
   os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
   with open(args.csv, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -205,6 +219,19 @@ def _print(rows):
           "vs_best_hand", "pred_emit", "xla_mem_gib", "fits", "search_s",
           "exact_gap"]
   table = [cols] + [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+  widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
+  for t in table:
+    print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+
+
+def _print_disagreements(rows):
+  kinds = [k for k in ("all-reduce", "reduce-scatter", "all-gather",
+                       "all-to-all", "collective-permute")
+           if any(f"{k} MiB (pred/XLA)" in r for r in rows)]
+  cols = ["model", "cluster", "mesh", "budget"] + [
+      f"{k} MiB (pred/XLA)" for k in kinds] + ["flops_ratio", "memory_ratio",
+                                                "off"]
+  table = [cols] + [[_fmt(r.get(c, "-")) for c in cols] for r in rows]
   widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
   for t in table:
     print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
