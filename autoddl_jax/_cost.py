@@ -17,7 +17,10 @@ S -> P             all-gather       (as S -> B, then local)
 =================  ===============  =========================================
 
 Bytes are ring-model bytes *sent per device*. When two nd-SBPs differ on
-several axes, the cost is the cheapest order of one-axis steps.
+several axes, the cost is the cheapest order of one-axis steps -- except that
+a partial sum on several axes becoming replicated on them is one all-reduce
+over their joint group (what XLA emits) at the slowest of their links, then
+the rest of the way.
 
 Compute is the op's FLOPs divided by the product of the sizes of the axes on
 which its signature splits something (a replicated or partial-only op does the
@@ -117,7 +120,8 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None):
 
 def transition_steps(src: tuple[int, ...], dst: tuple[int, ...],
                      nbytes: float, shape: tuple[int, ...],
-                     mi: MeshInfo) -> list[tuple[str, int, float]]:
+                     mi: MeshInfo
+                     ) -> list[tuple[str, int | tuple[int, ...], float]]:
   """The collectives of the cheapest path :func:`transition` costs: (kind,
   mesh axis, bytes sent per device) per one-axis step."""
   diff = [a for a in range(len(src)) if src[a] != dst[a]]
@@ -129,14 +133,41 @@ def transition_steps(src: tuple[int, ...], dst: tuple[int, ...],
       best, best_steps = t, steps
   if best == INF and diff:
     mid = tuple(B for _ in src)
-    return (transition_steps(src, mid, nbytes, shape, mi) +
-            transition_steps(mid, dst, nbytes, shape, mi))
+    best_steps = (transition_steps(src, mid, nbytes, shape, mi) +
+                  transition_steps(mid, dst, nbytes, shape, mi))
+    best = transition(src, mid, nbytes, shape, mi)[0] + transition(
+        mid, dst, nbytes, shape, mi)[0]
+  joint = joint_all_reduce(src, dst, nbytes, mi)
+  if joint is not None:
+    axes, _, jb, mid = joint
+    return [("all-reduce", axes, jb)] + transition_steps(mid, dst, nbytes,
+                                                         shape, mi)
   return best_steps
+
+
+def joint_all_reduce(src: Sequence[int], dst: Sequence[int], nbytes: float,
+                     mi: MeshInfo):
+  """A partial sum on several axes made replicated on all of them: XLA emits
+  one all-reduce over their joint group, at the slowest of their links (not
+  one per axis, which would move the whole tensor once per axis).
+  Returns (axes, time, bytes sent per device, state after) or None."""
+  axes = tuple(a for a in range(len(src)) if src[a] == P and dst[a] == B)
+  if len(axes) < 2:
+    return None
+  p = math.prod(mi.axis_sizes[a] for a in axes)
+  n = nbytes / split_factor(src, mi.axis_sizes)
+  frac = (p - 1) / p
+  alpha = max(mi.alpha[a] for a in axes)
+  beta = min(mi.beta[a] for a in axes)
+  mid = tuple(B if a in axes else c for a, c in enumerate(src))
+  return axes, 2 * alpha * (p - 1) + 2 * frac * n / beta, 2 * frac * n, mid
 
 
 def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
                shape: tuple[int, ...], mi: MeshInfo) -> tuple[float, float]:
-  """(time, bytes per device) of the cheapest one-axis-at-a-time path."""
+  """(time, bytes per device) of the cheapest one-axis-at-a-time path (a
+  joint all-reduce first for partials on several axes, see
+  :func:`joint_all_reduce`)."""
   diff = [a for a in range(len(src)) if src[a] != dst[a]]
   if not diff:
     return 0.0, 0.0
@@ -152,6 +183,11 @@ def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
     t1 = transition(src, mid, nbytes, shape, mi)
     t2 = transition(mid, dst, nbytes, shape, mi)
     best = (t1[0] + t2[0], t1[1] + t2[1])
+  joint = joint_all_reduce(src, dst, nbytes, mi)
+  if joint is not None:  # XLA reduces such partials together: cost that
+    _, jt, jb, mid = joint
+    rest = transition(mid, dst, nbytes, shape, mi)
+    best = (jt + rest[0], jb + rest[1])
   return best
 
 
@@ -238,6 +274,20 @@ class StateSpace:
       rep = self.index[tuple(B for _ in range(n_axes))]
       best_t = np.where(bad, best_t[:, rep][:, None], best_t)
       best_b = np.where(bad, best_b[:, rep][:, None], best_b)
+    # Partial on several axes -> replicated on them: XLA emits one joint
+    # all-reduce, then the rest of the way (few pairs: only sources with two
+    # or more P axes).
+    for i, src_state in enumerate(self.states):
+      if sum(c == P for c in src_state) < 2:
+        continue
+      for j, dst_state in enumerate(self.states):
+        joint = joint_all_reduce(src_state, dst_state, self.nbytes, mi)
+        if joint is None:
+          continue
+        _, jt, jb, mid = joint
+        k = self.index[mid]
+        best_t[i, j] = jt + best_t[k, j]
+        best_b[i, j] = jb + best_b[k, j]
     np.fill_diagonal(best_t, 0.0)
     np.fill_diagonal(best_b, 0.0)
     self._time, self._bytes = best_t, best_b

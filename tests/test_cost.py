@@ -115,3 +115,16 @@ def test_transition_steps_add_up_to_the_transition(shape, mesh):
       assert sum(x for _, _, x in steps) == pytest.approx(b, rel=1e-12)
       kinds.update(k for k, _, _ in steps)
   assert kinds == {"all-reduce", "reduce-scatter", "all-gather", "all-to-all"}
+
+
+def test_partial_on_two_axes_reduces_in_one_joint_all_reduce():
+  mi = mesh_info(AbstractMesh((2, 4), ("x", "y")),
+                 ad.Cluster(devices_per_node=4))
+  n = 4.0 * 64 * 64
+  t, b = transition((P, P), (B, B), n, (64, 64), mi)
+  assert b == pytest.approx(2 * 7 / 8 * n)  # not 2*(1/2)n + 2*(3/4)n
+  assert t == pytest.approx(2 * max(mi.alpha) * 7 + b / min(mi.beta))
+  steps = transition_steps((P, P), (B, B), n, (64, 64), mi)
+  assert steps == [("all-reduce", (0, 1), pytest.approx(b))]
+  # (P, P) -> (S(0), B) is not such a pair: reduce-scatter + all-reduce.
+  assert transition((P, P), (0, B), n, (64, 64), mi)[1] < b

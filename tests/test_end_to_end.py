@@ -113,3 +113,29 @@ def test_verify_sets_predictions_beside_what_xla_compiled():
   assert v.emitted_comm_s > 0 and all(c.axes for c in v.collectives)
   text = str(v)
   assert "collective bytes" in text and "FLOPs" in text
+
+
+def test_data_parallel_on_two_axes_matches_xla_bytes():
+  """DP on a (2, 4) mesh: gradients are partial on both axes; XLA reduces
+  each in one all-reduce over all 8 devices, which is what the cost model's
+  (P, P) -> (B, B) transition charges."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from autoddl_jax._cluster import mesh_info
+  from autoddl_jax._cost import transition
+  ex = build("mlp", optimizer=__import__("optax").sgd(0.1))
+  mesh = make_mesh((2, 4), explicit=False)
+  rep = NamedSharding(mesh, P())
+  data = NamedSharding(mesh, P(("data", "model")))
+  shard = (jax.tree.map(lambda _: rep, ex.params),
+           jax.tree.map(lambda _: rep, ex.opt_state),
+           jax.tree.map(lambda _: data, ex.batch))
+  compiled = jax.jit(ex.step, in_shardings=shard,
+                     out_shardings=(shard[0], shard[1], rep)).lower(
+                         *ex.args).compile()
+  cols = _hlo.collectives(compiled)
+  assert {c.kind for c in cols} == {"all-reduce"}
+  assert all(c.axes == ("data", "model") for c in cols)
+  mi = mesh_info(mesh, TEST_CLUSTER)
+  want = sum(transition((-2, -2), (-1, -1), x.size * 4, x.shape, mi)[1]
+             for x in jax.tree.leaves(ex.params))
+  assert _hlo.emitted_bytes(compiled) == pytest.approx(want, rel=0.01)
