@@ -197,9 +197,7 @@ def _seed_codes(kind: str, shape, sizes, is_state: bool) -> tuple[int, ...]:
   if rank == 0:
     return (B,) * n
   if not is_state:  # data
-    axes = range(n) if kind in ("dp", "fsdp", "replicated") else range(n - 1)
-    if kind == "replicated":
-      return (B,) * n
+    axes = range(n) if kind in ("dp", "fsdp") else range(n - 1)
     return _split_codes(shape, sizes, [(a, 0) for a in axes])
   if kind == "fsdp":
     order = sorted(range(rank), key=lambda d: (-shape[d], d))
@@ -218,7 +216,7 @@ def _seed_codes(kind: str, shape, sizes, is_state: bool) -> tuple[int, ...]:
   return (B,) * n
 
 
-SEEDS = ("dp", "fsdp", "tp_col", "tp_row", "replicated")
+SEEDS = ("dp", "fsdp")  # + "megatron" (its own builder) + the user's
 
 
 # -------------------------------------------------------------------- plan
@@ -424,7 +422,7 @@ class Plan:
       out_to_in, _ = _state_ties(tr)
       seeds = _seeds(prob, self.graph, tr, self.mesh_info,
                      set(out_to_in.values()))
-      if kind not in seeds or kind in ("tp_col", "tp_row", "replicated"):
+      if kind not in seeds:
         raise ValueError(f"unknown baseline {kind!r}; use 'dp', 'fsdp' or "
                          "'megatron'")
       pins = seeds[kind]

@@ -11,9 +11,8 @@ matrix per pair of adjacent nodes (the collectives between them).
    between them (its best value for each pair of theirs is remembered). What
    stays is a small *core* -- chains like the optimizer update of each
    parameter disappear entirely.
-2. On the core, from several seeds (data-parallel, FSDP, tensor-parallel,
-   replicated, the user's placements) pinned on the parameters, and from no
-   seed at all: label by sequential tree-reweighted message passing (TRW-S),
+2. On the core, from several seeds (data-parallel, FSDP, Megatron, the
+   user's placements) pinned on the parameters, and from no seed at all: label by sequential tree-reweighted message passing (TRW-S),
    then coordinate descent -- each node set to its best value with the others
    fixed -- alternated with exact dynamic programming over spanning trees
    (edges off the tree held). Each seeded result is then freed and descended
