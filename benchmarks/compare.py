@@ -214,27 +214,26 @@ def _fmt(v):
   return str(v)
 
 
-def _print(rows):
-  cols = ["model", "cluster", "mesh", "budget", "plan", "model_ms", "xla_ms",
-          "vs_best_hand", "pred_emit", "xla_mem_gib", "fits", "search_s",
-          "exact_gap"]
-  table = [cols] + [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+def _table(cols, rows, missing=""):
+  table = [cols] + [[_fmt(r.get(c, missing)) for c in cols] for r in rows]
   widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
   for t in table:
     print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+
+
+def _print(rows):
+  _table(["model", "cluster", "mesh", "budget", "plan", "model_ms", "xla_ms",
+          "vs_best_hand", "pred_emit", "xla_mem_gib", "fits", "search_s",
+          "exact_gap"], rows)
 
 
 def _print_disagreements(rows):
   kinds = [k for k in ("all-reduce", "reduce-scatter", "all-gather",
                        "all-to-all", "collective-permute")
            if any(f"{k} MiB (pred/XLA)" in r for r in rows)]
-  cols = ["model", "cluster", "mesh", "budget"] + [
+  _table(["model", "cluster", "mesh", "budget"] + [
       f"{k} MiB (pred/XLA)" for k in kinds] + ["flops_ratio", "memory_ratio",
-                                                "off"]
-  table = [cols] + [[_fmt(r.get(c, "-")) for c in cols] for r in rows]
-  widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
-  for t in table:
-    print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+                                                "off"], rows, missing="-")
 
 
 def _summary(rows):

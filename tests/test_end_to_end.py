@@ -62,15 +62,14 @@ def test_plan_is_exact_beats_hand_plans_and_matches_xla(model, shape):
         plan.cost.comm_bytes, emitted)
 
 
-def test_cost_formula_matches_xla_for_data_parallel_gradients():
-  """Plain jax.jit with DP shardings: XLA's gradient all-reduce bytes are what
-  the cost table's P->B formula says."""
+def _data_parallel_collectives(shape):
+  """Plain jax.jit of the MLP sgd step with DP shardings on a mesh: the
+  example, the mesh, the collectives and the compiled program."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from autoddl_jax._cost import one_axis
   ex = build("mlp", optimizer=__import__("optax").sgd(0.1))
-  mesh = make_mesh((8,), explicit=False)
+  mesh = make_mesh(shape, explicit=False)
   rep = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P("data"))
+  data = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   shard = (jax.tree.map(lambda _: rep, ex.params),
            jax.tree.map(lambda _: rep, ex.opt_state),
            jax.tree.map(lambda _: data, ex.batch))
@@ -79,6 +78,14 @@ def test_cost_formula_matches_xla_for_data_parallel_gradients():
                          *ex.args).compile()
   cols = _hlo.collectives(compiled)
   assert {c.kind for c in cols} == {"all-reduce"}
+  return ex, mesh, cols, compiled
+
+
+def test_cost_formula_matches_xla_for_data_parallel_gradients():
+  """XLA's gradient all-reduce bytes are what the cost table's P->B formula
+  says."""
+  from autoddl_jax._cost import one_axis
+  ex, _, _, compiled = _data_parallel_collectives((8,))
   want = sum(one_axis(-2, -1, x.size * 4, 8, 0.0, 1.0)[1]
              for x in jax.tree.leaves(ex.params))
   assert _hlo.emitted_bytes(compiled) == pytest.approx(want, rel=0.01)
@@ -119,21 +126,9 @@ def test_data_parallel_on_two_axes_matches_xla_bytes():
   """DP on a (2, 4) mesh: gradients are partial on both axes; XLA reduces
   each in one all-reduce over all 8 devices, which is what the cost model's
   (P, P) -> (B, B) transition charges."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
   from autoddl_jax._cluster import mesh_info
   from autoddl_jax._cost import transition
-  ex = build("mlp", optimizer=__import__("optax").sgd(0.1))
-  mesh = make_mesh((2, 4), explicit=False)
-  rep = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P(("data", "model")))
-  shard = (jax.tree.map(lambda _: rep, ex.params),
-           jax.tree.map(lambda _: rep, ex.opt_state),
-           jax.tree.map(lambda _: data, ex.batch))
-  compiled = jax.jit(ex.step, in_shardings=shard,
-                     out_shardings=(shard[0], shard[1], rep)).lower(
-                         *ex.args).compile()
-  cols = _hlo.collectives(compiled)
-  assert {c.kind for c in cols} == {"all-reduce"}
+  ex, mesh, cols, compiled = _data_parallel_collectives((2, 4))
   assert all(c.axes == ("data", "model") for c in cols)
   mi = mesh_info(mesh, TEST_CLUSTER)
   want = sum(transition((-2, -2), (-1, -1), x.size * 4, x.shape, mi)[1]
