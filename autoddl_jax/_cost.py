@@ -101,14 +101,12 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None):
   for a in order:
     other = math.prod(s for i, (c, s) in enumerate(zip(cur, mi.axis_sizes))
                       if i != a and c >= 0)
-    dt, db, _ = one_axis(cur[a], dst[a], nbytes / other, mi.axis_sizes[a],
-                         mi.alpha[a], mi.beta[a])
+    dt, db, kind = one_axis(cur[a], dst[a], nbytes / other, mi.axis_sizes[a],
+                            mi.alpha[a], mi.beta[a])
     if cur[a] >= 0 and dst[a] == P:  # S -> P goes through B
-      dt, db, _ = one_axis(cur[a], B, nbytes / other, mi.axis_sizes[a],
-                           mi.alpha[a], mi.beta[a])
+      dt, db, kind = one_axis(cur[a], B, nbytes / other, mi.axis_sizes[a],
+                              mi.alpha[a], mi.beta[a])
     if steps is not None and db > 0:
-      kind = one_axis(cur[a], B if dst[a] == P else dst[a], 1.0, 2, 0.0,
-                      1.0)[2]
       steps.append((kind, a, db))
     cur[a] = dst[a]
     if not splits_divide(cur, shape, mi.axis_sizes):

@@ -12,8 +12,9 @@ matrix per pair of adjacent nodes (the collectives between them).
    stays is a small *core* -- chains like the optimizer update of each
    parameter disappear entirely.
 2. On the core, from several seeds (data-parallel, FSDP, Megatron, the
-   user's placements) pinned on the parameters, and from no seed at all: label by sequential tree-reweighted message passing (TRW-S),
-   then coordinate descent -- each node set to its best value with the others
+   user's placements) pinned on the parameters, and from no seed at all:
+   label by sequential tree-reweighted message passing (TRW-S), then
+   coordinate descent -- each node set to its best value with the others
    fixed -- alternated with exact dynamic programming over spanning trees
    (edges off the tree held). Each seeded result is then freed and descended
    again; the best few get block moves (small groups re-decided jointly).
@@ -45,7 +46,7 @@ UNSEEDED = "unseeded"  # the name of the search from no seed at all
 SEED_EFFORT = 0  # local moves after each seed's message passing
 FINAL_EFFORT = 1  # ... and on the best few
 _SEED_PATIENCE = 3  # message-passing iterations without a better labelling
-_FREE_PATIENCE = 100  # ... for the unseeded search (its decodings plateau, then improve)
+_FREE_PATIENCE = 100  # ... unseeded (its decodings plateau, then improve)
 
 
 @dataclasses.dataclass
@@ -284,7 +285,7 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
 
 # ----------------------------------------------------------- search on core
 class _Core:
-  """Coordinate descent, tree moves and neighbourhood moves on the core."""
+  """Coordinate descent, spanning-tree DP and block moves on the core."""
 
   def __init__(self, mrf: Mrf, core: Sequence[int]):
     self.mrf = mrf
