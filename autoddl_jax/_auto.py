@@ -53,10 +53,8 @@ def _place(x: Any, s: NamedSharding) -> Any:
     return x
   if jax.process_count() > 1 and not (isinstance(x, jax.Array) and
                                       not x.is_fully_addressable):
-    import numpy as np
-    value = np.asarray(x)
-    return jax.make_array_from_callback(value.shape, s,
-                                        lambda idx: value[idx])
+    from autoddl_jax.distributed import global_array
+    return global_array(x, s)
   return jax.device_put(x, s)
 
 

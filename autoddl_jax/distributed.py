@@ -158,14 +158,17 @@ def check_same_plan(plan: Plan) -> None:
         "step with the same argument shapes, mesh and cluster")
 
 
+def global_array(x: Any, sharding: Any) -> jax.Array:
+  """One global array from a value every process holds whole: each process
+  keeps only its devices' shards."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
 def global_batch(full: Any, shardings: Any) -> Any:
   """Global arrays from a batch every process holds whole (same values on
-  every process, e.g. from the same seed): each process keeps only its
-  devices' shards."""
-  def one(x, s):
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
-  return jax.tree.map(one, full, shardings)
+  every process, e.g. from the same seed): :func:`global_array` per leaf."""
+  return jax.tree.map(global_array, full, shardings)
 
 
 def from_local(local: Any, shardings: Any, global_shapes: Any) -> Any:
