@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,53 +56,29 @@ class Problem:
   def __init__(self, graph: OpGraph, mi: MeshInfo, cluster: Cluster,
                groups: Sequence[Sequence[int]] = ()):
     self.graph, self.mi, self.cluster = graph, mi, cluster
-    n_axes = mi.ndim
     rate = cluster.peak_flops * cluster.flops_efficiency
     self.cands: list[list[tuple[tuple[int, ...], ...]]] = []
     self.slot_idx: list[list[np.ndarray | None]] = []
     self.compute: list[np.ndarray] = []
     self.out_bytes: list[np.ndarray] = []
+    # Ops of the same structure (signatures, slot shapes and dtypes, which
+    # inputs are literals) have the same candidates; a transformer repeats a
+    # few structures many times, so each is enumerated once.
+    structures: dict = {}
     for op in graph.ops:
       slots = [graph.tensors[t].aval if t is not None else a
                for t, a in zip(op.ins, op.in_avals)]
       slots += [graph.tensors[t].aval for t in op.outs]
-      spaces = [state_space(a.shape, a.dtype.itemsize, mi) for a in slots]
-      literal = [t is None for t in op.ins] + [False] * len(op.outs)
-      all_b = next((i for i, (si, so) in enumerate(op.sigs)
-                    if all(c == B for c in (*si, *so))), 0)
-      per_axis = [range(len(op.sigs)) if s > 1 else [all_b]
-                  for s in mi.axis_sizes]
-      seen = {}
-      for combo in itertools.product(*per_axis):
-        nd = []
-        ok = True
-        for s in range(len(slots)):
-          codes = tuple(
-              (op.sigs[k][0] + op.sigs[k][1])[s] for k in combo)
-          if codes not in spaces[s].index or (
-              literal[s] and any(c != B for c in codes)):
-            ok = False
-            break
-          nd.append(codes)
-        if ok:
-          seen.setdefault(tuple(nd), None)
-      cands = list(seen)
-      if not cands:  # cannot happen with an all-B signature; be safe
-        cands = [tuple(tuple(B for _ in range(n_axes)) for _ in slots)]
+      literal = tuple([t is None for t in op.ins] + [False] * len(op.outs))
+      key = (tuple(op.sigs), literal,
+             tuple((tuple(a.shape), a.dtype.itemsize) for a in slots),
+             len(op.ins), op.prim in MEMORY_ALIAS_OPS)
+      if key not in structures:
+        structures[key] = self._candidates(op, slots, literal, mi)
+      cands, slot_idx, spl, ob = structures[key]
       self.cands.append(cands)
-      self.slot_idx.append([
-          np.array([spaces[s].index[c[s]] for c in cands], dtype=np.int32)
-          for s in range(len(slots))])
-      spl = np.array([
-          math.prod(size for a, size in enumerate(mi.axis_sizes)
-                    if any(c[s][a] >= 0 for s in range(len(slots))))
-          for c in cands], dtype=np.float64)
+      self.slot_idx.append(slot_idx)
       self.compute.append(op.flops * op.weight / rate / spl)
-      n_in = len(op.ins)
-      ob = np.zeros(len(cands))
-      if op.prim not in MEMORY_ALIAS_OPS:
-        for s in range(n_in, len(slots)):
-          ob = ob + spaces[s].local_bytes[self.slot_idx[-1][s]]
       self.out_bytes.append(ob)
     # Edges: producer output slot -> consumer input slot.
     self.edges: list[Edge] = []
@@ -122,6 +97,44 @@ class Problem:
     self._set_groups(groups)
     self._liveness()
     self._flatten()
+
+  @staticmethod
+  def _candidates(op, slots, literal, mi: MeshInfo):
+    """(candidates, slot state indices, split factor, output bytes) of an op:
+    the product of its 1-D signatures over the mesh axes, keeping those whose
+    every slot's nd-SBP is a valid state (splits divide) and whose literal
+    inputs stay broadcast."""
+    spaces = [state_space(a.shape, a.dtype.itemsize, mi) for a in slots]
+    all_b = next((i for i, (si, so) in enumerate(op.sigs)
+                  if all(c == B for c in (*si, *so))), 0)
+    per_axis = [range(len(op.sigs)) if s > 1 else [all_b]
+                for s in mi.axis_sizes]
+    full = [si + so for si, so in op.sigs]
+    seen = {}
+    for combo in itertools.product(*per_axis):
+      nd = []
+      for s in range(len(slots)):
+        codes = tuple(full[k][s] for k in combo)
+        if codes not in spaces[s].index or (
+            literal[s] and any(c != B for c in codes)):
+          break
+        nd.append(codes)
+      else:
+        seen.setdefault(tuple(nd), None)
+    cands = list(seen)
+    if not cands:  # cannot happen with an all-B signature; be safe
+      cands = [tuple(tuple(B for _ in range(mi.ndim)) for _ in slots)]
+    slot_idx = [np.array([spaces[s].index[c[s]] for c in cands],
+                         dtype=np.int32) for s in range(len(slots))]
+    # The devices that share the work: the axes some slot is split over.
+    split = (np.array(cands, dtype=np.int64) >= 0).any(axis=1)
+    spl = np.where(split, np.array(mi.axis_sizes, dtype=np.float64),
+                   1.0).prod(axis=1)
+    ob = np.zeros(len(cands))
+    if op.prim not in MEMORY_ALIAS_OPS:
+      for s in range(len(op.ins), len(slots)):
+        ob = ob + spaces[s].local_bytes[slot_idx[s]]
+    return cands, slot_idx, spl, ob
 
   def regroup(self, groups: Sequence[Sequence[int]]) -> Problem:
     """The same problem with other coordinates (shares every array)."""

@@ -2,15 +2,20 @@
 96-layer GPT (d_model 12288, layers in lax.scan) on 1024 devices (128 nodes x 8),
 planned abstractly (shapes only, nothing allocated).
 
-    python benchmarks/plan_time.py
+    python benchmarks/plan_time.py [--repeats 5]
 
-Prints one table: model, mesh, layers, ops in the graph, coordinates searched,
-seconds to plan (trace + graph + search), predicted step time and memory.
+Prints one table: model, mesh, ops in the graph, coordinates searched, seconds
+to plan (trace + graph + search: the median of ``--repeats`` runs, and the
+slowest), predicted step time and memory. The median because this machine's
+speed varies by up to 2x from one run to the next (CPU time, not only wall
+time), which one timing would report as the planner's.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,27 +44,35 @@ CASES = [
 ]
 
 
-def main():
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--repeats", type=int, default=5)
+  args = ap.parse_args(argv)
   # Warm JAX's tracing machinery up once, so the first row is not charged
   # with it (a cold first call costs about a second more).
   warm = models.mlp(abstract=True)
   ad.plan(warm.step, *warm.args, mesh=AbstractMesh((2, 4), ("data", "model")))
-  rows = [("model", "mesh", "ops", "coords", "plan s", "step ms (pred)",
-           "memory/device")]
+  rows = [("model", "mesh", "ops", "coords", "plan s (median)", "slowest",
+           "step ms (pred)", "memory/device")]
   for name, cfg, shape, axes in CASES:
-    ex = models.gpt(cfg, abstract=True)
     mesh = AbstractMesh(shape, axes)
-    t0 = time.perf_counter()
-    plan = ad.plan(ex.step, *ex.args, mesh=mesh)
-    dt = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+      ex = models.gpt(cfg, abstract=True)
+      t0 = time.perf_counter()
+      plan = ad.plan(ex.step, *ex.args, mesh=mesh)
+      times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
     rows.append((name, "x".join(map(str, shape)), str(len(plan.graph.ops)),
-                 str(len(plan.problem.groups)), f"{dt:.2f}",
-                 f"{plan.cost.time_s * 1e3:.1f}",
+                 str(len(plan.problem.groups)), f"{med:.2f}",
+                 f"{max(times):.2f}", f"{plan.cost.time_s * 1e3:.1f}",
                  f"{plan.cost.memory_bytes / 2**30:.1f} GiB"))
-    print(f"{name}: {dt:.2f} s", flush=True)
+    print(f"{name}: " + ", ".join(f"{t:.2f}" for t in times) + " s",
+          flush=True)
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   for r in rows:
     print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+  print(f"jax {jax.__version__}, autoddl_jax {ad.__version__}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""Message passing in the search: TRW-S against over-relaxed weights.
+
+    python benchmarks/search_quality.py [--quick]
+
+For each model, mesh and cluster of ``compare.py`` (plus the 12-layer GPT of
+``plan_time.py``) it plans twice on the same problem: with the search's
+message passing as TRW-S (tree weights 1/n, 100 iterations for the unseeded
+start, the settings before over-relaxation) and as it is now (weights x1.5,
+at most 40 iterations, stopping after 10 without a better labelling). Printed
+per case: the iteration at which the unseeded start's labelling stopped
+improving, the whole search's objective (predicted step time) and its
+seconds. Planning is abstract (shapes only); the exact optimum is in
+``compare.py`` and ``scaling.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+from jax.sharding import AbstractMesh  # noqa: E402
+
+import autoddl_jax as ad  # noqa: E402
+from autoddl_jax import _api, _search, models  # noqa: E402
+
+TRWS = dict(SEEDED=_search.Passing(1.0, 100, 3),
+            UNSEEDED=_search.Passing(1.0, 100, 100))
+NOW = dict(SEEDED=_search.SEEDED, UNSEEDED=_search.UNSEEDED)
+
+
+def cases(quick: bool):
+  clusters = {"2x4": dataclasses.replace(ad.H100_NODE, devices_per_node=4),
+              "1x8": ad.H100_NODE}
+  if quick:
+    exs = {"mlp": models.mlp(abstract=True), "gpt": models.gpt(abstract=True)}
+  else:
+    exs = {
+        "mlp": models.mlp(batch=1024, sizes=(4096, 16384, 16384, 4096, 1024),
+                          abstract=True),
+        "gpt": models.gpt(models.GptConfig(
+            vocab=32768, d_model=1024, n_heads=16, n_layers=8, seq=1024,
+            batch=16), abstract=True),
+        "vgg": models.vgg(batch=64, image=64, channels=(64, 128, 256, 512),
+                          hidden=4096, classes=1000, abstract=True),
+        "moe": models.moe(tokens=8192, d_model=1024, d_ff=4096, experts=8,
+                          abstract=True),
+    }
+  for name, ex in exs.items():
+    for shape in [(8,), (2, 4), (4, 2)]:
+      for cname, cluster in clusters.items():
+        yield f"{name} {'x'.join(map(str, shape))} {cname}", ex, shape, cluster
+  if not quick:
+    yield "GPT-12 d768 scan 2x4 1x8", models.gpt(models.GptConfig(
+        vocab=32768, d_model=768, n_heads=12, n_layers=12, seq=1024, batch=32,
+        scan=True), abstract=True), (2, 4), ad.H100_NODE
+
+
+def _last_improvement(prob, passing) -> int:
+  """The iteration of the unseeded start's best labelling."""
+  free = _search._Reduced.of(_search.Mrf(prob), {})  # noqa: SLF001
+  stats = {}
+  _search.trws(free.mrf, free.core, passing.max_iters, passing.patience,
+               passing.relax, stats=stats)
+  return stats["best_iteration"]
+
+
+def _search_with(settings, prob, seeds):
+  old = (_search.SEEDED, _search.UNSEEDED)
+  _search.SEEDED, _search.UNSEEDED = settings["SEEDED"], settings["UNSEEDED"]
+  try:
+    t0 = time.perf_counter()
+    res = _search.coordinate_descent(prob, seeds,
+                                     polish=getattr(prob, "untied", None))
+    return res, time.perf_counter() - t0
+  finally:
+    _search.SEEDED, _search.UNSEEDED = old
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--quick", action="store_true", help="tiny models")
+  args = ap.parse_args(argv)
+  rows = [("case", "TRW-S best@", "TRW-S ms", "TRW-S s", "x1.5 best@",
+           "x1.5 ms", "x1.5 s", "x1.5/TRW-S")]
+  ratios = []
+  for name, ex, shape, cluster in cases(args.quick):
+    mesh = AbstractMesh(shape, ("data",) if len(shape) == 1 else
+                        ("data", "model"))
+    _, _, mi, tr, graph, prob, state = _api._setup(  # noqa: SLF001
+        ex.step, ex.args, mesh, cluster)
+    seeds = _api._seeds(prob, graph, tr, mi, state)  # noqa: SLF001
+    out = []
+    for settings in (TRWS, NOW):
+      res, secs = _search_with(settings, prob, seeds)
+      out.append((_last_improvement(prob, settings["UNSEEDED"]), res, secs))
+    ratio = out[1][1].objective / out[0][1].objective
+    ratios.append(ratio)
+    rows.append((name, *(c for at, res, secs in out for c in (
+        str(at), f"{res.objective * 1e3:.5g}", f"{secs:.2f}")),
+        f"{ratio:.4f}"))
+    print("  ".join(rows[-1]), flush=True)
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  print()
+  for r in rows:
+    print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+  t_old = sum(float(r[3]) for r in rows[1:])
+  t_new = sum(float(r[6]) for r in rows[1:])
+  print(f"\nx1.5 better on {sum(r < 1 - 1e-9 for r in ratios)}, worse on "
+        f"{sum(r > 1 + 1e-9 for r in ratios)} of {len(ratios)} cases "
+        f"(worst {max(ratios):.4f}, best {min(ratios):.4f}); search seconds "
+        f"{t_new:.1f} vs {t_old:.1f}.")
+  print(f"jax {jax.__version__}, autoddl_jax {ad.__version__}")
+
+
+if __name__ == "__main__":
+  main()
