@@ -233,7 +233,8 @@ class Plan:
   def __init__(self, *, fn, mesh, mi: MeshInfo, cluster: Cluster,
                traced: _Traced, graph: OpGraph, problem: Problem,
                choice: Sequence[int], search: _search.SearchResult | None,
-               search_seconds: float):
+               search_seconds: float,
+               seeds: Mapping[str, Mapping[int, int]] | None = None):
     self.fn, self.mesh, self.mesh_info, self.cluster = fn, mesh, mi, cluster
     self._traced, self.graph, self.problem = traced, graph, problem
     self.choice = list(choice)
@@ -253,6 +254,7 @@ class Plan:
     self.out_specs = jax.tree_util.tree_unflatten(traced.out_tree, out_specs)
     self.in_shardings = self._shard_tree(self.in_specs, mesh)
     self.out_shardings = self._shard_tree(self.out_specs, mesh)
+    self._seeds = seeds  # the textbook placements (made on first use if None)
     self._baselines: dict[str, PlanCost] = {}
 
   def _op_codes(self, op: int) -> tuple[int, ...]:
@@ -418,22 +420,16 @@ class Plan:
     last axis, data parallel over the others); each completed by the same
     search with those placements held."""
     if kind not in self._baselines:
-      tr, prob = self._traced, self.problem
-      out_to_in, _ = _state_ties(tr)
-      seeds = _seeds(prob, self.graph, tr, self.mesh_info,
-                     set(out_to_in.values()))
-      if kind not in seeds:
+      if self._seeds is None:
+        out_to_in, _ = _state_ties(self._traced)
+        self._seeds = _seeds(self.problem, self.graph, self._traced,
+                             self.mesh_info, set(out_to_in.values()))
+      if kind not in self._seeds:
         raise ValueError(f"unknown baseline {kind!r}; use 'dp', 'fsdp' or "
                          "'megatron'")
-      pins = seeds[kind]
-      res = _search.coordinate_descent(prob, {kind: pins},
-                                       fixed_ops=list(pins))
-      self._baselines[kind] = PlanCost.of(prob.evaluate(res.choice))
+      res = _search.complete(self.problem, self._seeds[kind], kind)
+      self._baselines[kind] = PlanCost.of(self.problem.evaluate(res.choice))
     return self._baselines[kind]
-
-  def data_parallel_cost(self) -> PlanCost:
-    """``baseline_cost("dp")``."""
-    return self.baseline_cost("dp")
 
   def explain(self, max_rows: int = 40) -> str:
     """The plan as text: per argument its nd-SBP, ``PartitionSpec`` and bytes
@@ -443,7 +439,7 @@ class Plan:
     lines = [f"autoddl_jax plan on mesh "
              f"{dict(zip(mi.axis_names, mi.axis_sizes))} "
              f"(links: {dict(zip(mi.axis_names, mi.link))})"]
-    c, dp = self.cost, self.data_parallel_cost()
+    c, dp = self.cost, self.baseline_cost("dp")
     rows = [("per device per step", "this plan", "data parallel")]
     for name, a, b in (
         ("time", f"{c.time_s * 1e3:.4g} ms", f"{dp.time_s * 1e3:.4g} ms"),
@@ -731,7 +727,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     choice, res = _fit_budget(prob, seeds, res, float(memory_budget), progress)
   return Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
               problem=prob, choice=choice, search=res,
-              search_seconds=time.perf_counter() - t0)
+              search_seconds=time.perf_counter() - t0, seeds=seeds)
 
 
 def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
@@ -761,8 +757,7 @@ def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
 
   polish = getattr(prob, "untied", None)
   for name, pins in seeds.items():
-    consider(_search.coordinate_descent(prob, {name: pins},
-                                        fixed_ops=list(pins)))
+    consider(_search.complete(prob, pins, name))
   scale = max(res.objective, 1e-30) / max(peak, 1.0)
   lo = hi = None
   for k in range(12):
@@ -867,7 +862,7 @@ def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
   keep = [g for g in groups if len({pins[o] for o in g if o in pins}) <= 1]
   if len(keep) != len(groups):
     prob = Problem(graph, mi, cluster, keep)
-  res = _search.coordinate_descent(prob, {"hand": pins}, fixed_ops=list(pins))
+  res = _search.complete(prob, pins, "hand")
   return Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
               problem=prob, choice=res.choice, search=res,
               search_seconds=time.perf_counter() - t0)

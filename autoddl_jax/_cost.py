@@ -116,33 +116,6 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None):
   return t, b
 
 
-def transition_steps(src: tuple[int, ...], dst: tuple[int, ...],
-                     nbytes: float, shape: tuple[int, ...],
-                     mi: MeshInfo
-                     ) -> list[tuple[str, int | tuple[int, ...], float]]:
-  """The collectives of the cheapest path :func:`transition` costs: (kind,
-  mesh axis, bytes sent per device) per one-axis step."""
-  diff = [a for a in range(len(src)) if src[a] != dst[a]]
-  best, best_steps = INF, []
-  for order in itertools.permutations(diff):
-    steps = []
-    t, _ = _path_cost(src, dst, order, nbytes, shape, mi, steps)
-    if t < best:
-      best, best_steps = t, steps
-  if best == INF and diff:
-    mid = tuple(B for _ in src)
-    best_steps = (transition_steps(src, mid, nbytes, shape, mi) +
-                  transition_steps(mid, dst, nbytes, shape, mi))
-    best = transition(src, mid, nbytes, shape, mi)[0] + transition(
-        mid, dst, nbytes, shape, mi)[0]
-  joint = joint_all_reduce(src, dst, nbytes, mi)
-  if joint is not None:
-    axes, _, jb, mid = joint
-    return [("all-reduce", axes, jb)] + transition_steps(mid, dst, nbytes,
-                                                         shape, mi)
-  return best_steps
-
-
 def joint_all_reduce(src: Sequence[int], dst: Sequence[int], nbytes: float,
                      mi: MeshInfo):
   """A partial sum on several axes made replicated on all of them: XLA emits
@@ -161,32 +134,52 @@ def joint_all_reduce(src: Sequence[int], dst: Sequence[int], nbytes: float,
   return axes, 2 * alpha * (p - 1) + 2 * frac * n / beta, 2 * frac * n, mid
 
 
-def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
-               shape: tuple[int, ...], mi: MeshInfo) -> tuple[float, float]:
-  """(time, bytes per device) of the cheapest one-axis-at-a-time path (a
-  joint all-reduce first for partials on several axes, see
-  :func:`joint_all_reduce`)."""
-  diff = [a for a in range(len(src)) if src[a] != dst[a]]
-  if not diff:
-    return 0.0, 0.0
-  best = (INF, INF)
-  for order in itertools.permutations(diff):
-    c = _path_cost(src, dst, order, nbytes, shape, mi)
-    if c[0] < best[0]:
-      best = c
-  if best[0] == INF:
-    # Every direct order passes through a split that does not divide: gather
-    # to replicated first (always valid), then slice / zero locally.
-    mid = tuple(B for _ in src)
-    t1 = transition(src, mid, nbytes, shape, mi)
-    t2 = transition(mid, dst, nbytes, shape, mi)
-    best = (t1[0] + t2[0], t1[1] + t2[1])
+Step = tuple[str, "int | tuple[int, ...]", float]
+
+
+def _cheapest_path(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
+                   shape: tuple[int, ...], mi: MeshInfo
+                   ) -> tuple[float, float, list[Step]]:
+  """(time, bytes per device, steps) of the cheapest way from ``src`` to
+  ``dst``: a joint all-reduce first for partials on several axes (see
+  :func:`joint_all_reduce`), then the cheapest order of one-axis steps; if
+  every order passes through a split that does not divide, by way of
+  replicated (always valid: gather, then slice or zero locally)."""
+  if src == dst:
+    return 0.0, 0.0, []
   joint = joint_all_reduce(src, dst, nbytes, mi)
   if joint is not None:  # XLA reduces such partials together: cost that
-    _, jt, jb, mid = joint
-    rest = transition(mid, dst, nbytes, shape, mi)
-    best = (jt + rest[0], jb + rest[1])
+    axes, jt, jb, mid = joint
+    t, b, steps = _cheapest_path(mid, dst, nbytes, shape, mi)
+    return jt + t, jb + b, [("all-reduce", axes, jb), *steps]
+  diff = [a for a in range(len(src)) if src[a] != dst[a]]
+  best: tuple[float, float, list[Step]] = (INF, INF, [])
+  for order in itertools.permutations(diff):
+    steps: list[Step] = []
+    t, b = _path_cost(src, dst, order, nbytes, shape, mi, steps)
+    if t < best[0]:
+      best = (t, b, steps)
+  if best[0] == INF:
+    mid = tuple(B for _ in src)
+    t1, b1, s1 = _cheapest_path(src, mid, nbytes, shape, mi)
+    t2, b2, s2 = _cheapest_path(mid, dst, nbytes, shape, mi)
+    best = (t1 + t2, b1 + b2, s1 + s2)
   return best
+
+
+def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
+               shape: tuple[int, ...], mi: MeshInfo) -> tuple[float, float]:
+  """(time, bytes per device) of the cheapest path (:func:`_cheapest_path`)."""
+  t, b, _ = _cheapest_path(src, dst, nbytes, shape, mi)
+  return t, b
+
+
+def transition_steps(src: tuple[int, ...], dst: tuple[int, ...],
+                     nbytes: float, shape: tuple[int, ...],
+                     mi: MeshInfo) -> list[Step]:
+  """The collectives of the path :func:`transition` costs: (kind, mesh axis
+  or axes, bytes sent per device) per step."""
+  return _cheapest_path(src, dst, nbytes, shape, mi)[2]
 
 
 def _one_axis_vec(s, d, n, p, alpha, beta):

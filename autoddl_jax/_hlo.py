@@ -92,16 +92,12 @@ def parse_groups(attrs: str, num_devices: int) -> list[list[int]]:
               for g in re.findall(r"\{([0-9,\s]*)\}", text[1:-1])]
     groups = [g for g in groups if g]
     return groups or [list(range(num_devices))]
-  m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?",
-                attrs)
-  if m:
-    out_shape = [int(x) for x in m.group(1).split(",")]
-    dims = [int(x) for x in m.group(2).split(",")]
-    arr = np.arange(math.prod(dims)).reshape(dims)
-    if m.group(3):
-      arr = arr.transpose([int(x) for x in m.group(3).split(",")])
-    arr = arr.reshape(out_shape[0], -1)
-    return arr.tolist()
+  m = re.search(r"replica_groups=(\[([0-9,]+)\]<=\[[0-9,]+\]"
+                r"(?:T\([0-9,]+\))?)", attrs)
+  if m:  # iota form: [groups, size]<=[dims]T(perm)
+    n_groups = int(m.group(2).split(",")[0])
+    return _iota_or_list(m.group(1), num_devices).reshape(
+        n_groups, -1).tolist()
   m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(?:,\s*device_ids=\("
                 r"(.*?)\)\s*)?\{([^}]*)\}", attrs)
   if m:

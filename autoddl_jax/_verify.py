@@ -120,7 +120,9 @@ def peak_bytes(mem: Any) -> float:
                mem.temp_size_in_bytes - mem.alias_size_in_bytes)
 
 
-def verify(plan: Plan, pin_inputs: bool = True) -> Verification:
+def compile_plan(plan: Plan, pin_inputs: bool = True) -> tuple[Any, Any]:
+  """(compiled program, its Auto-axes mesh) of ``plan.jit()`` for abstract
+  arguments placed as the plan says (nothing allocated)."""
   mesh = plan._auto_mesh()  # noqa: SLF001 (the same package)
   tr = plan._traced  # noqa: SLF001
   in_sh = plan._shard_tree(plan.in_specs, mesh)  # noqa: SLF001
@@ -129,8 +131,11 @@ def verify(plan: Plan, pin_inputs: bool = True) -> Verification:
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
           for a, s in zip(tr.in_avals, flat_sh)]
   args = jax.tree_util.tree_unflatten(tr.in_tree, args)
-  compiled = plan.jit(pin_inputs=pin_inputs).lower(*args).compile()
-  return compare_compiled(plan, compiled, mesh)
+  return plan.jit(pin_inputs=pin_inputs).lower(*args).compile(), mesh
+
+
+def verify(plan: Plan, pin_inputs: bool = True) -> Verification:
+  return compare_compiled(plan, *compile_plan(plan, pin_inputs))
 
 
 def compare_compiled(plan: Plan, compiled: Any, mesh: Any) -> Verification:

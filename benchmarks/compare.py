@@ -44,7 +44,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax import _hlo, _search, models  # noqa: E402
 from autoddl_jax._cluster import mesh_info  # noqa: E402
-from autoddl_jax._verify import compare_compiled, peak_bytes  # noqa: E402
+from autoddl_jax._verify import (  # noqa: E402
+    compare_compiled, compile_plan, peak_bytes)
 
 CLUSTERS = {
     "2x4": dataclasses.replace(ad.H100_NODE, devices_per_node=4),
@@ -103,17 +104,6 @@ def _compile_hand(ex, mesh, shardings):
       *args).compile()
 
 
-def _compile_plan(plan):
-  mesh = plan._auto_mesh()  # noqa: SLF001
-  flat = jax.tree_util.tree_leaves(plan.in_shardings)
-  avals = plan._traced.in_avals  # noqa: SLF001
-  args = [jax.ShapeDtypeStruct(a.shape, a.dtype,
-                               sharding=NamedSharding(mesh, s.spec))
-          for a, s in zip(avals, flat)]
-  args = jax.tree_util.tree_unflatten(plan._traced.in_tree, args)  # noqa
-  return plan.jit().lower(*args).compile()
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true",
@@ -161,9 +151,12 @@ def main(argv=None):
             print(f"[compare]   no plan fits: {e}", file=sys.stderr)
             rows += scored
             continue
-          compiled = _compile_plan(plan)
-          xla_s, emitted, peak = _xla_score(compiled, mesh, cluster)
-          v = compare_compiled(plan, compiled, mesh)
+          v = compare_compiled(plan, *compile_plan(plan))
+          # XLA's score of the plan, as _xla_score gives it for hand plans.
+          xla_s = (v.xla_flops or 0.0) / (
+              cluster.peak_flops * cluster.flops_efficiency) + \
+              v.emitted_comm_s
+          emitted, peak = v.emitted_bytes, v.xla_memory
           disagreements.append(dict(
               case, **{f"{k} MiB (pred/XLA)":
                        f"{p / 2**20:.3g}/{e / 2**20:.3g}"

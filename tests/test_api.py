@@ -42,7 +42,7 @@ def test_plan_fields_and_explain():
   text = plan.explain()
   assert "0/w0" in text and "PartitionSpec" in text and "nd-SBP" in text
   assert "data parallel" in text
-  dp = plan.data_parallel_cost()
+  dp = plan.baseline_cost("dp")
   assert plan.cost.time_s <= dp.time_s * (1 + 1e-9)
   assert plan.user_paths()[0] == "0/b0"
   lowered = plan.jit().lower(*ex.args)  # jit() supports .lower
