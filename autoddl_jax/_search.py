@@ -243,11 +243,13 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
   pass pair the labels greedily in order, each node taking the best value
   given the nodes already labelled and the messages from the rest. Returns
   the best labelling seen; stops after ``patience`` iterations without a
-  better one. Deterministic. ``relax`` multiplies each node's weight
-  (capped at 1, which is loopy belief propagation): the lower bound is then
-  no longer valid, but only the labellings are used here, and they improve
-  much sooner on sharding problems. On sharding problems the messages capture what
+  better one. Deterministic. On sharding problems the messages capture what
   local moves cannot: a layout change only pays once many ops change with it.
+
+  ``relax`` multiplies each node's weight (capped at 1, which is loopy belief
+  propagation). TRW-S's lower bound then no longer holds, but only the
+  labellings are used here, and on sharding problems they reach their best
+  several times sooner (``benchmarks/search_quality.py``).
 
   The loop is Python over numpy, one message at a time, so it is written for
   few calls per message: beliefs and messages are kept by position, a

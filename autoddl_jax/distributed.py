@@ -17,6 +17,7 @@ calls it when there is more than one process).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -171,10 +172,37 @@ def global_batch(full: Any, shardings: Any) -> Any:
   return jax.tree.map(global_array, full, shardings)
 
 
+def process_slice(sharding: Any, global_shape: Sequence[int]
+                  ) -> tuple[slice, ...]:
+  """The part of a global array this process's devices hold under
+  ``sharding``: what a per-process data loader should read (e.g. its rows
+  of the global batch) and pass to :func:`from_local`.
+
+  Raises ValueError when that part is not one box (a mesh whose devices
+  interleave processes along a split dim), which ``from_local`` cannot take.
+  """
+  shape = tuple(int(d) for d in global_shape)
+  boxes = [[sl.indices(n)[:2] for sl, n in zip(idx, shape)]
+           for idx in sharding.addressable_devices_indices_map(
+               shape).values()]
+  lo = [min(b[d][0] for b in boxes) for d in range(len(shape))]
+  hi = [max(b[d][1] for b in boxes) for d in range(len(shape))]
+  covered = {tuple(map(tuple, b)) for b in boxes}
+  per_box = math.prod(boxes[0][d][1] - boxes[0][d][0]
+                      for d in range(len(shape))) if boxes else 0
+  if len(covered) * per_box != math.prod(b - a for a, b in zip(lo, hi)):
+    raise ValueError(
+        f"this process's devices do not hold one contiguous part of the "
+        f"{shape} array under {sharding}; order the mesh's devices so that "
+        "each process's devices are adjacent along the split dims (as "
+        "jax.make_mesh does)")
+  return tuple(slice(a, b) for a, b in zip(lo, hi))
+
+
 def from_local(local: Any, shardings: Any, global_shapes: Any) -> Any:
   """Global arrays from each process's own part of a batch (what a
-  per-process data loader yields), through
-  ``jax.make_array_from_process_local_data``."""
+  per-process data loader yields; :func:`process_slice` says which part),
+  through ``jax.make_array_from_process_local_data``."""
   return jax.tree.map(
       lambda x, s, g: jax.make_array_from_process_local_data(
           s, np.asarray(x), tuple(g)), local, shardings, global_shapes,
@@ -193,4 +221,4 @@ def to_host(x: Any) -> Any:
 
 __all__: Sequence[str] = [
     "DistributedError", "check_same_plan", "from_local", "global_batch",
-    "initialize", "plan_fingerprint", "to_host"]
+    "initialize", "plan_fingerprint", "process_slice", "to_host"]

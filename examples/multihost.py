@@ -7,8 +7,10 @@ On one machine, 2 processes x 4 CPU devices over loopback:
 Every process runs this script: it joins the job, plans the same step (the
 plans are checked equal before compiling), builds the global batch from the
 data it holds, trains three steps and prints the loss from process 0.
-``--out FILE`` also writes the losses and final parameters (from process 0);
-``--checkpoint DIR`` saves the final train state with orbax.
+``--local-data`` makes each process hold only its own rows of the batch, as a
+per-process data loader would (``ad.distributed.process_slice`` says which,
+``ad.distributed.from_local`` joins them). ``--out FILE`` also writes the losses and final parameters (from
+process 0); ``--checkpoint DIR`` saves the final train state with orbax.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ ad.distributed.initialize()  # first: fixes the devices of this process
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from autoddl_jax import models  # noqa: E402
 
@@ -29,11 +32,33 @@ CONFIG = models.GptConfig(vocab=256, d_model=64, n_heads=4, n_layers=2,
                           seq=32, batch=16, scan=True)
 
 
+def local_batch(ex, mesh):
+  """The global batch from the part of it this process reads: its rows of
+  the batch split over the "data" axis, the layout a per-process loader
+  produces. (The part is cut from the whole batch here, which every process
+  has; a loader would read only those rows.) The step reshards it if its plan
+  lays the batch out otherwise."""
+  shardings = jax.tree.map(
+      lambda x: NamedSharding(mesh, PartitionSpec("data")), ex.batch)
+  shapes = jax.tree.map(np.shape, ex.batch)
+  mine = jax.tree.map(
+      lambda x, s: np.asarray(x)[ad.distributed.process_slice(s, x.shape)],
+      ex.batch, shardings)
+  if jax.process_index() == 0:
+    print("process 0 holds batch rows " + ", ".join(
+        str(np.shape(x)) for x in jax.tree.leaves(mine)) + " of " +
+        ", ".join(str(x) for x in jax.tree.leaves(
+            shapes, is_leaf=lambda t: isinstance(t, tuple))), flush=True)
+  return ad.distributed.from_local(mine, shardings, shapes)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--out", default=None)
   ap.add_argument("--checkpoint", default=None)
+  ap.add_argument("--local-data", action="store_true",
+                  help="each process loads only its part of the batch")
   args = ap.parse_args(argv)
   pid = jax.process_index()
   mesh = jax.make_mesh((2, 4), ("data", "model"),
@@ -42,10 +67,9 @@ def main(argv=None):
   ex = models.gpt(CONFIG, optimizer=optax.adamw(1e-3))
   step = ad.auto_shard(ex.step, mesh=mesh, verbose=False)
   params, opt_state, losses = ex.params, ex.opt_state, []
+  batch = local_batch(ex, mesh) if args.local_data else ex.batch
   for i in range(args.steps):
-    # Every process holds the whole batch here; a per-process loader would
-    # use ad.distributed.from_local instead.
-    params, opt_state, loss = step(params, opt_state, ex.batch)
+    params, opt_state, loss = step(params, opt_state, batch)
     losses.append(float(ad.distributed.to_host(loss)))
     if pid == 0:
       print(f"step {i}: loss {losses[-1]:.6f}", flush=True)

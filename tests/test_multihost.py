@@ -34,10 +34,16 @@ def _launch(*args, timeout=240, grace=3):
 
 
 def test_two_processes_train_like_one(tmp_path):
+  # Each process loads only its part of the batch (from_local); parameters
+  # and optimizer state are placed from whole values (global_array).
   out = tmp_path / "mh.npz"
-  r, _ = _launch("examples/multihost.py", "--out", str(out))
+  r, _ = _launch("examples/multihost.py", "--local-data", "--out", str(out))
   assert r.returncode == 0, r.stdout[-4000:]
   assert "[p0] step 2: loss" in r.stdout
+  held = re.search(r"\[p0\] process 0 holds batch rows (.*) of (.*)",
+                   r.stdout)
+  assert held, r.stdout[-4000:]
+  assert held.group(1) != held.group(2)  # a part, not the whole batch
   got = np.load(out)
   # The same step on one process with 8 devices.
   import importlib.util
@@ -135,3 +141,16 @@ def test_mismatched_device_counts_are_a_clear_error():
   for p, out in zip(procs, outs):
     assert p.returncode == 3, out[-2000:]
     assert "processes have different device counts: 6 devices in all" in out
+
+
+def test_process_slice_and_from_local_on_one_process():
+  # One process holds every device, so its part is the whole array; the
+  # multi-process case is test_two_processes_train_like_one.
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = make_mesh((2, 4), explicit=False)
+  x = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+  s = NamedSharding(mesh, P("data", "model"))
+  part = ad.distributed.process_slice(s, x.shape)
+  assert part == (slice(0, 16), slice(0, 8))
+  g = ad.distributed.from_local(x[part], s, x.shape)
+  assert g.sharding == s and np.array_equal(np.asarray(g), x)

@@ -97,3 +97,47 @@ def test_impossible_memory_budget_names_the_budget_and_the_tensors():
                            r".*Largest tensors"):
     ad.plan(ex.step, *ex.args, mesh=make_mesh((8,)), cluster=TEST_CLUSTER,
             memory_budget=1024)
+
+
+def _random_mrf(n, edges, k, seed):
+  """An Mrf over ``n`` nodes of ``k`` values with random unary and pairwise
+  costs on ``edges``."""
+  import itertools
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  mrf = object.__new__(_search.Mrf)
+  mrf.K = [k] * n
+  mrf.U = [rng.random(k) for _ in range(n)]
+  mrf.M = {(a, b): rng.random((k, k)) * 2 for a, b in edges}
+  mrf.adj = [set() for _ in range(n)]
+  for a, b in edges:
+    mrf.adj[a].add(b)
+    mrf.adj[b].add(a)
+  best = min(mrf.objective(np.array(x)) for x in itertools.product(
+      range(k), repeat=n))
+  return mrf, best
+
+
+@pytest.mark.parametrize("relax", [1.0, 1.5])
+def test_message_passing_is_exact_on_a_chain(relax):
+  # On a tree the messages are exact min-marginals (each node's weight is
+  # capped at 1 either way), so the decoding is an optimum.
+  n = 7
+  mrf, best = _random_mrf(n, [(i, i + 1) for i in range(n - 1)], 3, seed=0)
+  stats = {}
+  x = _search.trws(mrf, range(n), max_iters=20, patience=5, relax=relax,
+                   stats=stats)
+  assert mrf.objective(x) == pytest.approx(best, rel=1e-12)
+  assert 1 <= stats["best_iteration"] <= stats["iterations"] <= 20
+
+
+@pytest.mark.parametrize("relax", [1.0, 1.5])
+def test_message_passing_on_loops_is_deterministic_and_near_optimal(relax):
+  n = 7  # a ring with chords: loops, so no guarantee, but a good labelling
+  edges = [(i, (i + 1) % n) for i in range(n)] + [(0, 3), (2, 5)]
+  edges = [(min(a, b), max(a, b)) for a, b in edges]
+  mrf, best = _random_mrf(n, edges, 3, seed=1)
+  x = _search.trws(mrf, range(n), max_iters=40, patience=10, relax=relax)
+  y = _search.trws(mrf, range(n), max_iters=40, patience=10, relax=relax)
+  assert list(x) == list(y)
+  assert mrf.objective(x) <= best * 1.10
