@@ -205,10 +205,12 @@ def eliminate(mrf: Mrf, pins: Mapping[int, int],
         a, b = nbs
         if mrf.K[a] * mrf.K[v] * mrf.K[b] > _MAX_FOLD:
           continue
-        t = (mrf.pair(a, v)[:, :, None] + mrf.U[v][None, :, None] +
-             mrf.pair(v, b)[None, :, :])
-        arg = np.argmin(t, axis=1)
-        best = np.take_along_axis(t, arg[:, None, :], axis=1)[:, 0, :]
+        # t[i, k, j]: cost of (a=i, v=j, b=k) -- v last, so the reduction
+        # over it runs along contiguous memory (several times faster).
+        t = ((mrf.pair(a, v) + mrf.U[v][None, :])[:, None, :] +
+             np.ascontiguousarray(mrf.pair(b, v))[None, :, :])
+        arg = t.argmin(axis=2)
+        best = np.take_along_axis(t, arg[:, :, None], axis=2)[:, :, 0]
         drop(v)
         mrf.add_pair(a, b, best)
         mrf.adj[a].add(b)
