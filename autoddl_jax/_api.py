@@ -217,6 +217,7 @@ def _seed_codes(kind: str, shape, sizes, is_state: bool) -> tuple[int, ...]:
 
 
 SEEDS = ("dp", "fsdp")  # + "megatron" (its own builder) + the user's
+BASELINES = (*SEEDS, "megatron")  # what Plan.baseline_cost can score
 
 
 # -------------------------------------------------------------------- plan
@@ -424,7 +425,7 @@ class Plan:
         out_to_in, _ = _state_ties(self._traced)
         self._seeds = _seeds(self.problem, self.graph, self._traced,
                              self.mesh_info, set(out_to_in.values()))
-      if kind not in self._seeds:
+      if kind not in BASELINES:
         raise ValueError(f"unknown baseline {kind!r}; use 'dp', 'fsdp' or "
                          "'megatron'")
       res = _search.complete(self.problem, self._seeds[kind], kind)

@@ -75,6 +75,8 @@ class SearchResult:
   seed: str
   sweeps: int
   seconds: float
+  # Per start: the message-passing iteration that found its labelling.
+  best_iteration: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 # ------------------------------------------------------------- the pair MRF
@@ -270,7 +272,6 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
   dst = [j for (_, j) in eid]
   msgs = [np.zeros(mrf.K[order[j]]) for j in dst]
   belief = [np.array(mrf.U[g], dtype=np.float64) for g in order]
-  unary = [np.asarray(mrf.U[g]) for g in order]
   # Per position: (neighbour, pair matrix oriented (node, neighbour), id of
   # the edge in, id of the edge out), for the neighbours after it in the
   # order and for those before it.
@@ -281,7 +282,6 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
     earlier.append([x for x in ends if x[0] < i])
     later.append([x for x in ends if x[0] > i])
     gamma.append(min(1.0, relax / max(len(earlier[-1]), len(later[-1]), 1)))
-  pairs = [(i, j, m) for i in range(n) for j, m, _, _ in later[i]]
   forward = [(i, gamma[i], later[i]) for i in range(n) if later[i]]
   backward = [(i, gamma[i], earlier[i]) for i in reversed(range(n))
               if earlier[i]]
@@ -304,7 +304,8 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
       belief[j] -= c
 
   def decode():
-    """Labels in order; returns them and their exact energy on the core."""
+    """Labels in order; returns them (by node) and their exact energy on
+    the core."""
     x = [0] * n
     for i in range(n):
       if earlier[i]:
@@ -315,9 +316,9 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
         x[i] = int(v.argmin())
       else:
         x[i] = int(belief[i].argmin())
-    energy = sum(float(unary[i][x[i]]) for i in range(n)) + sum(
-        float(m[x[i], x[j]]) for i, j, m in pairs)
-    return x, energy
+    labels = np.zeros(len(mrf.U), dtype=np.int64)
+    labels[order] = x
+    return labels, mrf.objective(labels, order)
 
   best, best_obj, stale, best_it, it = None, np.inf, 0, 0, 0
   for it in range(1, max_iters + 1):
@@ -336,9 +337,7 @@ def trws(mrf: Mrf, core: Sequence[int], max_iters: int = 100,
     best = decode()[0]
   if stats is not None:
     stats.update(iterations=it, best_iteration=best_it)
-  out = np.zeros(len(mrf.U), dtype=np.int64)
-  out[order] = best
-  return out
+  return best
 
 
 # ----------------------------------------------------------- search on core
@@ -547,16 +546,17 @@ class _Reduced:
     return unfold(choice, self.folds)
 
 
-def _solve(red: _Reduced, start: np.ndarray | None | Passing,
-           effort: int, progress=None):
+def _solve(red: _Reduced, start: np.ndarray | Passing,
+           effort: int, progress=None, stats: dict | None = None):
   """One search on a reduced problem: label the core by message passing
-  (when ``start`` is a :class:`Passing`) or start from the labelling
-  ``start``, improve it with local moves of the given ``effort`` (see
-  :meth:`_Core.improve`), unfold. Returns group choices and sweeps."""
+  (when ``start`` is a :class:`Passing`; ``stats`` as for :func:`trws`) or
+  start from the labelling ``start``, improve it with local moves of the
+  given ``effort`` (see :meth:`_Core.improve`), unfold. Returns group
+  choices and sweeps."""
   search = _Core(red.mrf, red.core)
   if isinstance(start, Passing):
     choice = trws(red.mrf, red.core, start.max_iters, start.patience,
-                  start.relax)
+                  start.relax, stats)
   else:
     choice = start.copy()
   sweeps = search.improve(choice, progress=progress, effort=effort)
@@ -609,6 +609,7 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
                        keep={g for p in gseeds.values() for g in p})
   free = shared.pin({})
   starts = [(name, gpins, SEEDED) for name, gpins in gseeds.items()]
+  best_iteration: dict[str, int] = {}
   if not scoring:
     # Message passing needs no seed: the unpinned problem is one more start,
     # the one that most often wins, so it gets more patience.
@@ -618,8 +619,10 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
         lambda s, c, nm=name: progress(nm, s, c))
     # Each seed's boundary gets the search a hand plan gets (so a plan is
     # never worse than scoring its own seeds), then is freed.
+    stats: dict[str, int] = {}
     gchoice, sweeps = _solve(shared.pin(gpins) if gpins else free, passing,
-                             SEED_EFFORT, cb)
+                             SEED_EFFORT, cb, stats)
+    best_iteration[name] = stats["best_iteration"]
     if not scoring and gpins:
       more, s2 = _solve(free, gchoice, 0, cb)
       sweeps += s2
@@ -656,7 +659,7 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
       choice = alt
   return SearchResult([int(c) for c in choice],
                       objective(prob, choice, mem_weight), name, sweeps,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, best_iteration)
 
 
 def complete(prob: Problem, pins: Mapping[int, int],

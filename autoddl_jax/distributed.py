@@ -7,7 +7,9 @@ the same script::
     ad.distributed.initialize()          # before any other JAX call
     mesh = jax.make_mesh((2, 4), ("data", "model"))   # global devices
     step = ad.auto_shard(train_step, mesh=mesh)       # checks plans agree
-    batch = ad.distributed.global_batch(full_batch, step.plan.in_shardings[-1])
+    rows = NamedSharding(mesh, P("data"))             # what a loader yields
+    batch = ad.distributed.from_local(
+        load(ad.distributed.process_slice(rows, shape)), rows, shape)
 
 Every process plans from the same abstract program, so the plans are equal;
 :func:`check_same_plan` proves it before anything compiles (``auto_shard``

@@ -45,7 +45,7 @@ import autoddl_jax as ad  # noqa: E402
 from autoddl_jax import _hlo, _search, models  # noqa: E402
 from autoddl_jax._cluster import mesh_info  # noqa: E402
 from autoddl_jax._verify import (  # noqa: E402
-    compare_compiled, compile_plan, peak_bytes)
+    _first, compare_compiled, compile_plan, peak_bytes)
 
 CLUSTERS = {
     "2x4": dataclasses.replace(ad.H100_NODE, devices_per_node=4),
@@ -79,16 +79,20 @@ def _mesh(shape):
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
+def _xla_seconds(flops, comm_s, cluster):
+  """XLA's FLOPs at the cluster's sustained rate plus its collectives' time."""
+  return flops / (cluster.peak_flops * cluster.flops_efficiency) + comm_s
+
+
 def _xla_score(compiled, mesh, cluster):
-  """(seconds, emitted bytes, peak memory bytes) of a compiled step."""
+  """(seconds, emitted bytes, peak memory bytes) of a compiled hand plan
+  (autoddl's plans are scored from their Verification)."""
   cols = _hlo.collectives(compiled, mesh)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  cost = _first(compiled.cost_analysis())
   flops = float(cost.get("flops", 0.0)) if cost else 0.0
   peak = peak_bytes(compiled.memory_analysis())
-  mi = mesh_info(mesh, cluster)
-  seconds = flops / (cluster.peak_flops * cluster.flops_efficiency) + \
-      _hlo.emitted_seconds(cols, mi)
+  seconds = _xla_seconds(flops, _hlo.emitted_seconds(
+      cols, mesh_info(mesh, cluster)), cluster)
   return seconds, sum(c.total_bytes_per_device for c in cols), float(peak)
 
 
@@ -152,10 +156,7 @@ def main(argv=None):
             rows += scored
             continue
           v = compare_compiled(plan, *compile_plan(plan))
-          # XLA's score of the plan, as _xla_score gives it for hand plans.
-          xla_s = (v.xla_flops or 0.0) / (
-              cluster.peak_flops * cluster.flops_efficiency) + \
-              v.emitted_comm_s
+          xla_s = _xla_seconds(v.xla_flops or 0.0, v.emitted_comm_s, cluster)
           emitted, peak = v.emitted_bytes, v.xla_memory
           disagreements.append(dict(
               case, **{f"{k} MiB (pred/XLA)":

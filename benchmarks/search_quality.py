@@ -16,13 +16,11 @@ seconds. Planning is abstract (shapes only); the exact optimum is in
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
+import compare  # noqa: E402 (sets up 8 CPU devices; its models and clusters)
 import jax  # noqa: E402
+import plan_time  # noqa: E402 (its 12-layer GPT)
 from jax.sharding import AbstractMesh  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
@@ -34,39 +32,16 @@ NOW = dict(SEEDED=_search.SEEDED, UNSEEDED=_search.UNSEEDED)
 
 
 def cases(quick: bool):
-  clusters = {"2x4": dataclasses.replace(ad.H100_NODE, devices_per_node=4),
-              "1x8": ad.H100_NODE}
-  if quick:
-    exs = {"mlp": models.mlp(abstract=True), "gpt": models.gpt(abstract=True)}
-  else:
-    exs = {
-        "mlp": models.mlp(batch=1024, sizes=(4096, 16384, 16384, 4096, 1024),
-                          abstract=True),
-        "gpt": models.gpt(models.GptConfig(
-            vocab=32768, d_model=1024, n_heads=16, n_layers=8, seq=1024,
-            batch=16), abstract=True),
-        "vgg": models.vgg(batch=64, image=64, channels=(64, 128, 256, 512),
-                          hidden=4096, classes=1000, abstract=True),
-        "moe": models.moe(tokens=8192, d_model=1024, d_ff=4096, experts=8,
-                          abstract=True),
-    }
-  for name, ex in exs.items():
-    for shape in [(8,), (2, 4), (4, 2)]:
-      for cname, cluster in clusters.items():
+  """compare.py's models, meshes and clusters (and plan_time.py's 12-layer
+  GPT): (name, example, mesh shape, cluster)."""
+  for name, (ex, _) in compare.examples(quick).items():
+    for shape in compare.MESHES:
+      for cname, cluster in compare.CLUSTERS.items():
         yield f"{name} {'x'.join(map(str, shape))} {cname}", ex, shape, cluster
   if not quick:
-    yield "GPT-12 d768 scan 2x4 1x8", models.gpt(models.GptConfig(
-        vocab=32768, d_model=768, n_heads=12, n_layers=12, seq=1024, batch=32,
-        scan=True), abstract=True), (2, 4), ad.H100_NODE
-
-
-def _last_improvement(prob, passing) -> int:
-  """The iteration of the unseeded start's best labelling."""
-  free = _search._Reduced.of(_search.Mrf(prob), {})  # noqa: SLF001
-  stats = {}
-  _search.trws(free.mrf, free.core, passing.max_iters, passing.patience,
-               passing.relax, stats=stats)
-  return stats["best_iteration"]
+    title, cfg, shape, _ = plan_time.CASES[0]
+    yield f"{title} 2x4 1x8", models.gpt(cfg, abstract=True), shape, \
+        ad.H100_NODE
 
 
 def _search_with(settings, prob, seeds):
@@ -97,7 +72,7 @@ def main(argv=None):
     out = []
     for settings in (TRWS, NOW):
       res, secs = _search_with(settings, prob, seeds)
-      out.append((_last_improvement(prob, settings["UNSEEDED"]), res, secs))
+      out.append((res.best_iteration[_search.FREE], res, secs))
     ratio = out[1][1].objective / out[0][1].objective
     ratios.append(ratio)
     rows.append((name, *(c for at, res, secs in out for c in (
