@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,34 @@ def initialize(coordinator_address: str | None = None,
         f"processes have different device counts: {n_dev} devices in all, "
         f"{n_local} here, {jax.process_count()} processes; give every "
         "process the same --devices-per-proc")
+  if jax.process_count() > 1:
+    _exit_at_once_on_uncaught()
+
+
+def _exit_at_once_on_uncaught() -> None:
+  """An uncaught exception ends this process at once, with exit code 1.
+
+  Python's normal exit runs jax.distributed's shutdown, which waits for
+  every other process; a peer blocked in a collective that this process
+  will never join then waits forever, and so does this process: the job
+  hangs with nobody named. Exiting with ``os._exit`` after the traceback is
+  printed lets the launcher (or the cluster's scheduler) see the failure and
+  stop the rest.
+  """
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    try:
+      previous(kind, value, tb)
+      print(f"[autoddl_jax] process {jax.process_index()} raised "
+            f"{kind.__name__}; exiting now (jax.distributed's shutdown would "
+            "wait for the other processes)", file=sys.stderr)
+      sys.stdout.flush()
+      sys.stderr.flush()
+    finally:
+      os._exit(1)
+
+  sys.excepthook = hook
 
 
 def _wait_for(address: str, timeout_s: float, process_id: int) -> None:

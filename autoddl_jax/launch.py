@@ -5,10 +5,20 @@
 Each process gets a free loopback coordinator address, its process id and its
 CPU device count through the environment (``ad.distributed.initialize()``
 reads them), runs on CPU devices with gloo collectives, and has its output
-forwarded line by line with a ``[pN]`` prefix. If one process fails, the others
-are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher
-exits with the first failure's code; ``--timeout`` bounds the whole run (exit
-124). Nothing waits without a bound.
+forwarded line by line with a ``[pN]`` prefix.
+
+Every way out is bounded:
+
+* One process fails: the launcher names it and its exit code, stops the
+  others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with
+  that code. A process that raises after ``ad.distributed.initialize()``
+  exits at once (``initialize`` installs an excepthook that skips
+  jax.distributed's shutdown, which would wait for peers stuck in a
+  collective), so the job ends within ``--grace`` plus about a second.
+* The launcher gets SIGTERM, SIGINT or SIGHUP (Ctrl-C, ``timeout``, a batch
+  scheduler): it stops every process the same way, within ``--grace``, and
+  exits with 128 + the signal's number.
+* ``--timeout`` bounds the whole run (exit 124).
 """
 
 from __future__ import annotations
@@ -69,11 +79,54 @@ def _stop(procs, grace: float) -> None:
       p.wait(timeout=5)
 
 
+class _Stopped(Exception):
+  """The launcher got a signal that ends the job."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+class _Signals:
+  """While active, SIGTERM/SIGINT/SIGHUP to the launcher raise
+  :class:`_Stopped` in its main loop, so the workers are stopped too: they
+  run in sessions of their own, which the terminal's and ``timeout``'s
+  signals do not reach. Only the first signal raises; later ones are
+  ignored, so they cannot cut the stopping short."""
+
+  SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP")
+                  if hasattr(signal, n))
+
+  def __init__(self, out, lock, grace: float):
+    self._out, self._lock, self._grace = out, lock, grace
+    self._old: dict[int, object] = {}
+    self.armed = True
+
+  def _handler(self, signum, frame):
+    if not self.armed:
+      return
+    self.armed = False
+    with self._lock:  # an RLock: the main thread may hold it already
+      print(f"[launch] got {signal.Signals(signum).name}; stopping every "
+            f"process (at most {self._grace:g} s)", file=self._out,
+            flush=True)
+    raise _Stopped(signum)
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._old = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
 def launch(script: str, args: list[str], nproc: int, devices_per_proc: int,
            timeout: float | None = None, grace: float = 5.0,
            port: int | None = None, out=None) -> int:
   """Runs ``script`` in ``nproc`` processes; returns the launcher's exit
-  code (0, the first failure's code, or 124 on timeout)."""
+  code (0, the first failure's code, 124 on timeout, 128 + N on signal N)."""
   out = sys.stdout if out is None else out
   if nproc < 1 or devices_per_proc < 1:
     raise ValueError("--nproc and --devices-per-proc must be >= 1")
@@ -81,49 +134,51 @@ def launch(script: str, args: list[str], nproc: int, devices_per_proc: int,
     print(f"[launch] no such script: {script}", file=out, flush=True)
     return 2
   addr = f"127.0.0.1:{port or free_port()}"
-  lock = threading.Lock()
+  lock = threading.RLock()
   procs, threads = [], []
-  for i in range(nproc):
-    env = dict(os.environ)
-    env.update({ENV_COORDINATOR: addr, ENV_NUM_PROCESSES: str(nproc),
-                ENV_PROCESS_ID: str(i), ENV_DEVICES: str(devices_per_proc),
-                "PYTHONUNBUFFERED": "1"})
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    p = subprocess.Popen([sys.executable, script, *args], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
-    procs.append(p)
-    t = threading.Thread(target=_forward, args=(i, p.stdout, out, lock),
-                         daemon=True)
-    t.start()
-    threads.append(t)
   start, code = time.monotonic(), 0
-  try:
-    while True:
-      rcs = [p.poll() for p in procs]
-      failed = [(i, rc) for i, rc in enumerate(rcs) if rc not in (None, 0)]
-      if failed:
-        i, rc = failed[0]
-        with lock:
-          print(f"[launch] process {i} {_describe(rc)}; stopping the others "
-                f"(at most {grace:g} s)", file=out, flush=True)
-        code = rc if rc > 0 else 128 - rc
-        break
-      if all(rc == 0 for rc in rcs):
-        break
-      if timeout is not None and time.monotonic() - start > timeout:
-        with lock:
-          print(f"[launch] still running after {timeout:g} s; stopping all",
-                file=out, flush=True)
-        code = 124
-        break
-      time.sleep(0.05)
-  except KeyboardInterrupt:
-    code = 130
-  finally:
-    _stop(procs, grace)
-    for t in threads:
-      t.join(timeout=2)
+  with _Signals(out, lock, grace) as signals:
+    try:
+      for i in range(nproc):
+        env = dict(os.environ)
+        env.update({ENV_COORDINATOR: addr, ENV_NUM_PROCESSES: str(nproc),
+                    ENV_PROCESS_ID: str(i), ENV_DEVICES: str(devices_per_proc),
+                    "PYTHONUNBUFFERED": "1"})
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        p = subprocess.Popen([sys.executable, script, *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+        procs.append(p)
+        t = threading.Thread(target=_forward, args=(i, p.stdout, out, lock),
+                             daemon=True)
+        t.start()
+        threads.append(t)
+      while True:
+        rcs = [p.poll() for p in procs]
+        failed = [(i, rc) for i, rc in enumerate(rcs) if rc not in (None, 0)]
+        if failed:
+          i, rc = failed[0]
+          with lock:
+            print(f"[launch] process {i} {_describe(rc)}; stopping the "
+                  f"others (at most {grace:g} s)", file=out, flush=True)
+          code = rc if rc > 0 else 128 - rc
+          break
+        if all(rc == 0 for rc in rcs):
+          break
+        if timeout is not None and time.monotonic() - start > timeout:
+          with lock:
+            print(f"[launch] still running after {timeout:g} s; stopping "
+                  "all", file=out, flush=True)
+          code = 124
+          break
+        time.sleep(0.05)
+    except _Stopped as e:
+      code = 128 + e.signum
+    finally:
+      signals.armed = False
+      _stop(procs, grace)
+      for t in threads:
+        t.join(timeout=2)
   return code
 
 

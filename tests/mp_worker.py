@@ -4,12 +4,17 @@ hand): ``mp_worker.py MODE``.
   fingerprint  plan a small step and print this process's plan fingerprint
   mismatch     process 1 plans for another cluster: check_same_plan must fail
   die          process 1 kills itself (SIGKILL) at the start of step 2
+  raise        process 1 raises at the start of step 2 (its peer is then
+               blocked in the step's collectives)
+  raise_early  process 1 raises right after joining, before any step
+  sleep        join, print the pid, then sleep (for signals to the launcher)
   join         only join (for coordinator and device-count errors)
 """
 
 import os
 import signal
 import sys
+import time
 
 import autoddl_jax as ad
 
@@ -22,6 +27,13 @@ except ad.distributed.DistributedError as e:
 if mode == "join":
   print("joined", flush=True)
   sys.exit(0)
+if mode == "sleep":
+  print(f"pid {os.getpid()}", flush=True)
+  time.sleep(300)
+  sys.exit(0)
+if mode == "raise_early" and os.environ["AUTODDL_PROCESS_ID"] == "1":
+  print(f"raising at {time.time():.3f}", flush=True)
+  raise RuntimeError("process 1 fails before the first step")
 
 import dataclasses  # noqa: E402
 
@@ -35,11 +47,14 @@ mesh = jax.make_mesh((2, 4), ("data", "model"),
                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
 ex = models.mlp(optimizer=optax.sgd(0.1))
 cluster = ad.H100_NODE
+if mode == "raise":  # slow compute: the plan splits the batch over processes
+  cluster = ad.Cluster(devices_per_node=4, peak_flops=1e9)
 if mode == "mismatch" and pid == 1:
   cluster = dataclasses.replace(cluster, inter_node_bandwidth=1e9,
                                 devices_per_node=2)
 plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=cluster, verbose=False)
 print(f"fingerprint {ad.distributed.plan_fingerprint(plan)}", flush=True)
+print(f"plan sends {plan.cost.comm_bytes:.0f} bytes per device", flush=True)
 try:
   ad.distributed.check_same_plan(plan)
 except ad.distributed.DistributedError as e:
@@ -51,5 +66,8 @@ for i in range(4):
   if mode == "die" and pid == 1 and i == 2:
     print("dying", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+  if mode == "raise" and pid == 1 and i == 2:
+    print(f"raising at {time.time():.3f}", flush=True)
+    raise RuntimeError("process 1 fails in step 2")
   params, opt_state, loss = step(params, opt_state, ex.batch)
   print(f"step {i} loss {float(ad.distributed.to_host(loss)):.6f}", flush=True)

@@ -4,6 +4,7 @@ reshard. Every wait is bounded."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -22,14 +23,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_worker.py")
 
 
+def _env():
+  return {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
+
+
 def _launch(*args, timeout=240, grace=3):
-  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
   t0 = time.monotonic()
   r = subprocess.run(
       [sys.executable, "-m", "autoddl_jax.launch", "--nproc", "2",
        "--devices-per-proc", "4", "--timeout", str(timeout - 20), "--grace",
-       str(grace), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-      timeout=timeout)
+       str(grace), *args], cwd=ROOT, env=_env(), capture_output=True,
+      text=True, timeout=timeout)
   return r, time.monotonic() - t0
 
 
@@ -86,6 +90,84 @@ def test_a_killed_process_ends_the_other_within_the_bound():
   # `grace`. Start-up and the first two steps take the rest.
   steps_done = r.stdout.rindex("[p1] dying")
   assert steps_done > 0 and took < 200
+
+
+def _raised_at(stdout: str) -> float:
+  m = re.search(r"\[p1\] raising at ([0-9.]+)", stdout)
+  assert m, stdout[-4000:]
+  return float(m.group(1))
+
+
+@pytest.mark.parametrize("mode", ["raise", "raise_early"])
+def test_a_process_that_raises_is_named_and_ends_the_job(mode):
+  # "raise": process 1 raises in step 2 while process 0 waits in the step's
+  # collectives (the job used to hang at exit, for ever without --timeout).
+  # "raise_early": it raises before the first step (process 0 used to be
+  # named, after 44 s). No --timeout: the bound is the excepthook that
+  # ad.distributed.initialize installs, plus the launcher's --grace.
+  grace = 3
+  t0 = time.monotonic()
+  r = subprocess.run(
+      [sys.executable, "-m", "autoddl_jax.launch", "--nproc", "2",
+       "--devices-per-proc", "4", "--grace", str(grace), WORKER, mode],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+  ended = time.time()
+  assert r.returncode == 1, r.stdout[-4000:]
+  assert "[launch] process 1 exited with code 1" in r.stdout, r.stdout[-4000:]
+  assert "process 0 exited" not in r.stdout
+  # From the raise to the launcher's exit: the launcher's 0.05 s poll, then
+  # at most `grace` for process 0 (which catches SIGTERM: SIGKILL ends it).
+  assert ended - _raised_at(r.stdout) < grace + 5, r.stdout[-3000:]
+  assert time.monotonic() - t0 < 150
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+  except FileNotFoundError:
+    return False
+
+
+def _start_sleepers(cmd_prefix=()):
+  """The launcher (optionally under a wrapper such as `timeout`) running two
+  sleeping workers; returns the process and the workers' pids, once both
+  printed them (bounded)."""
+  import threading
+  p = subprocess.Popen(
+      [*cmd_prefix, sys.executable, "-m", "autoddl_jax.launch", "--nproc",
+       "2", "--devices-per-proc", "4", "--grace", "3", WORKER, "sleep"],
+      cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True)
+  lines: list[str] = []
+  threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")),
+                   daemon=True).start()
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline:
+    pids = [int(m) for m in re.findall(r"\[p\d\] pid (\d+)", "".join(lines))]
+    if len(pids) == 2:
+      return p, pids, lines
+    time.sleep(0.1)
+  p.kill()
+  raise AssertionError("the workers did not start: " + "".join(lines)[-3000:])
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT", "timeout"])
+def test_a_signal_to_the_launcher_stops_every_worker(sig):
+  if sig == "timeout":  # `timeout` sends SIGTERM to the launcher alone
+    p, pids, lines = _start_sleepers(("timeout", "-s", "TERM", "12"))
+    rc, want = p.wait(timeout=60), 124
+  else:
+    p, pids, lines = _start_sleepers()
+    t0 = time.monotonic()
+    p.send_signal(getattr(signal, sig))
+    rc, want = p.wait(timeout=30), 128 + getattr(signal, sig)
+    assert time.monotonic() - t0 < 3 + 3  # --grace, plus the stopping
+  assert rc == want, "".join(lines)[-3000:]
+  time.sleep(0.2)
+  assert not [q for q in pids if _alive(q)], "workers left running"
+  if sig != "timeout":
+    assert f"[launch] got {sig}; stopping every process" in "".join(lines)
 
 
 def test_an_unreachable_coordinator_is_a_clear_error():
