@@ -19,17 +19,13 @@ import os
 import re
 import sys
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 def parse_bytes(text: str) -> float:
-  """``16GiB`` / ``512MB`` / ``1e9`` -> bytes."""
-  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-  if not m or m.group(2).upper() not in _UNITS:
-    raise argparse.ArgumentTypeError(
-        f"not a size: {text!r} (use e.g. 16GiB, 512MB or a number of bytes)")
-  return float(m.group(1)) * _UNITS[m.group(2).upper()]
+  """``16GiB`` / ``512MB`` / ``1e9`` -> bytes (as ``memory_budget`` takes)."""
+  from autoddl_jax._cluster import parse_bytes as parse
+  try:
+    return parse(text, "--memory-budget")
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -44,6 +40,13 @@ def parse_mesh(text: str) -> dict[str, int]:
       raise argparse.ArgumentTypeError(f"mesh axis {m.group(1)!r} twice")
     out[m.group(1)] = int(m.group(2))
   return out
+
+
+def _rows(text: str) -> int:
+  if not text.isdigit():
+    raise argparse.ArgumentTypeError(f"--rows takes a number >= 0, got "
+                                     f"{text!r}")
+  return int(text)
 
 
 def _load_target(spec: str):
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
   p.add_argument("--memory-budget", type=parse_bytes, default=None,
                  help="per device, e.g. 16GiB")
   p.add_argument("--save", default=None, help="write the plan as JSON here")
-  p.add_argument("--rows", type=int, default=40, help="rows per table")
+  p.add_argument("--rows", type=_rows, default=40, help="rows per table")
   s = sub.add_parser("show", help="print a saved plan")
   s.add_argument("path")
   args = ap.parse_args(argv)

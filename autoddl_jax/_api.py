@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -16,6 +18,7 @@ from jax.sharding import PartitionSpec
 
 from autoddl_jax import _lower, _search
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
+from autoddl_jax._cluster import parse_bytes
 from autoddl_jax._cost import one_axis
 from autoddl_jax._graph import OpGraph, build_graph, repeat_groups
 from autoddl_jax._problem import Evaluation, Problem
@@ -63,6 +66,76 @@ class _Traced:
   out_keys: list[tuple[str, ...]]
   splittable: list[bool]
   shardings: list[Any]  # argument shardings, when arrays came placed
+  # Positions of flax.nnx objects the step updates in place: the traced
+  # program returns ``(*args with only those kept, result)`` so that their
+  # new state is planned and can be written back (see ``_in_place``).
+  nnx_args: tuple[int, ...] = ()
+  # Static arguments of a ``jax.jit(f, static_argnums=...)`` step: position
+  # -> value. They are traced as Python values (tree structure, no leaves).
+  static: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Static:
+  """A static argument: a pytree node with no leaves whose value is its tree
+  structure, so the traced program and ``jax.jit`` both see it as static."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  @staticmethod
+  def same(a: Any, b: Any) -> bool:
+    try:
+      return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 (arrays and odd __eq__s are not equal)
+      return False
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and self.same(self.value, other.value)
+
+  def __hash__(self):
+    return hash((type(self.value), self.value))
+
+  def __repr__(self):
+    return f"static({self.value!r})"
+
+  def tree_flatten(self):
+    return (), self.value
+
+  @classmethod
+  def tree_unflatten(cls, value, _):
+    return cls(value)
+
+
+def _static_argnums(fn: Callable, nargs: int) -> tuple[int, ...]:
+  """Positions of ``fn``'s static arguments if it is a ``jax.jit`` function
+  (``static_argnums``, and ``static_argnames`` given positionally)."""
+  info = getattr(fn, "_jit_info", None)
+  nums = getattr(info, "static_argnums", ()) or ()
+  return tuple(sorted({i % nargs for i in nums if -nargs <= i < nargs}))
+
+
+def is_nnx_node(x: Any) -> bool:
+  """Flax nnx modules / optimizers (graph nodes), without importing flax
+  unless the argument is one of its objects."""
+  if not any((c.__module__ or "").startswith("flax.")
+             for c in type(x).__mro__):
+    return False
+  from flax import nnx
+  return nnx.graph.is_graph_node(x)
+
+
+def _in_place(fn: Callable, nodes: tuple[int, ...], nargs: int) -> Callable:
+  """``fn`` returning, beside its result, the nnx objects it may update in
+  place, at their argument positions (so each new leaf ties to the argument
+  leaf it replaces)."""
+
+  @functools.wraps(fn)
+  def step(*args):
+    out = fn(*args)
+    return (*(args[i] if i in nodes else None for i in range(nargs)), out)
+
+  return step
 
 
 def _key_tokens(path) -> tuple[str, ...]:
@@ -79,7 +152,10 @@ def _key_tokens(path) -> tuple[str, ...]:
 
 def _abstract_leaf(path, x):
   if isinstance(x, jax.ShapeDtypeStruct):
-    return x, getattr(x, "sharding", None)
+    # Traced without its sharding (kept as a seed): one on an Explicit-axes
+    # mesh would enter the program's types.
+    return (jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type),
+            getattr(x, "sharding", None))
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype), getattr(x, "sharding", None)
   if isinstance(x, np.ndarray | np.generic):
@@ -92,9 +168,39 @@ def _abstract_leaf(path, x):
       "or Python scalars). Close over other values with functools.partial.")
 
 
+def _auto_context_mesh():
+  """The caller's context mesh (``jax.set_mesh``) with its axes Auto.
+
+  Tracing under an Explicit-axes context mesh writes that mesh into the
+  program's types and parameters; the plan is lowered on the Auto view of the
+  same devices, so the program is traced on that view too.
+  """
+  cur = jax.sharding.get_abstract_mesh()
+  if cur.empty or all(t == AxisType.Auto for t in cur.axis_types):
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(
+      cur.update(axis_types=(AxisType.Auto,) * len(cur.axis_names)))
+
+
 def _trace(fn: Callable, args: tuple) -> _Traced:
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+  static = {i: args[i] for i in _static_argnums(fn, len(args))}
+  for i, v in static.items():
+    try:
+      hash(v)
+    except TypeError as e:
+      raise TypeError(f"static argument {i} of {getattr(fn, '__name__', fn)}"
+                      f" is a {type(v).__name__}, which is not hashable; "
+                      "jax.jit needs static arguments hashable") from e
+  if static:
+    jitted = fn
+    args = tuple(_Static(a) if i in static else a for i, a in enumerate(args))
+    fn = functools.wraps(jitted)(lambda *a: jitted(*(
+        x.value if isinstance(x, _Static) else x for x in a)))
+  nodes = tuple(i for i, a in enumerate(args) if is_nnx_node(a))
+  if nodes:
+    fn = _in_place(fn, nodes, len(args))
   leaves, in_tree = jax.tree_util.tree_flatten_with_path(args)
   abstract, shardings = [], []
   for path, x in leaves:
@@ -103,7 +209,8 @@ def _trace(fn: Callable, args: tuple) -> _Traced:
     shardings.append(s)
   abs_args = jax.tree_util.tree_unflatten(in_tree, abstract)
   try:
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abs_args)
+    with _auto_context_mesh():
+      closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abs_args)
   except TypeError as e:
     name = getattr(fn, "__name__", repr(fn))
     raise TypeError(f"tracing {name} with the given example arguments failed: "
@@ -124,7 +231,8 @@ def _trace(fn: Callable, args: tuple) -> _Traced:
       [jax.tree_util.keystr(p) for p, _ in out_leaves], in_avals,
       [v.aval for v in closed.jaxpr.outvars],
       [_key_tokens(p) for p, _ in leaves],
-      [_key_tokens(p) for p, _ in out_leaves], splittable, shardings)
+      [_key_tokens(p) for p, _ in out_leaves], splittable, shardings, nodes,
+      static)
 
 
 def _same_type(a, b) -> bool:
@@ -227,6 +335,9 @@ class Plan:
   Attributes:
     in_shardings / out_shardings: pytrees of ``NamedSharding`` shaped like the
       arguments / results (``PartitionSpec`` leaves for an abstract mesh).
+      For a step that updates flax.nnx objects in place, the results are
+      ``(*args with only those objects, the step's result)``: their new state
+      is part of the planned program.
     cost: the predicted :class:`PlanCost` per device per step.
     search_seconds: wall time of the search.
   """
@@ -317,14 +428,17 @@ class Plan:
     mesh = self._auto_mesh()
     tr = self._traced
     fn = _lower.planned_function(tr.closed, tr.in_tree, tr.out_tree,
-                                 self._pins(mesh, pin_inputs))
+                                 self._pins(mesh, pin_inputs), tr.in_names)
     in_sh = self._shard_tree(self.in_specs, mesh)
     jitted = jax.jit(fn, in_shardings=in_sh,
                      out_shardings=self._shard_tree(self.out_specs, mesh),
                      **jit_kwargs)
-    if all(t == AxisType.Auto for t in getattr(self.mesh, "axis_types", ())):
+    retype = not all(t == AxisType.Auto
+                     for t in getattr(self.mesh, "axis_types", ()))
+    if not (retype or tr.static or tr.nnx_args):
       return jitted
-    return _OnAutoAxes(jitted, in_sh)
+    return _PlannedStep(jitted, in_sh, retype=retype, static=tr.static,
+                        nnx_args=tr.nnx_args)
 
   def param_specs(self, argnum: int = 0) -> Any:
     """The ``PartitionSpec`` pytree of one argument (default: the first, the
@@ -435,7 +549,11 @@ class Plan:
   def explain(self, max_rows: int = 40) -> str:
     """The plan as text: per argument its nd-SBP, ``PartitionSpec`` and bytes
     per device; the costliest reshardings (collective, bytes, time); totals
-    beside data parallelism's."""
+    beside data parallelism's. ``max_rows`` (>= 0) bounds each table."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or \
+        max_rows < 0:
+      raise ValueError(f"max_rows must be an int >= 0 (rows per table), got "
+                       f"{max_rows!r}")
     mi = self.mesh_info
     lines = [f"autoddl_jax plan on mesh "
              f"{dict(zip(mi.axis_names, mi.axis_sizes))} "
@@ -489,34 +607,67 @@ class Plan:
             f"memory_bytes={c.memory_bytes:.4g})")
 
 
-class _OnAutoAxes:
-  """A planned step for a mesh with Explicit axes.
+class _PlannedStep:
+  """What :meth:`Plan.jit` returns when a bare ``jax.jit`` function is not
+  enough; ``__call__`` and ``lower`` take the step's own arguments.
 
-  The plan is lowered on the same devices viewed as Auto axes (sharding
-  constraints need them). Arrays placed on the Explicit mesh carry that mesh
-  in their types, so they are re-viewed on the Auto mesh first -- same
-  devices, same layout, no data moves.
+  * Explicit-axes mesh: the plan is lowered on the same devices viewed as
+    Auto axes (sharding constraints need them). Arrays placed on the
+    Explicit mesh carry that mesh in their types, so they are re-viewed on
+    the Auto mesh first -- same devices, same layout, no data moves.
+  * Static arguments (``jax.jit(f, static_argnums=...)``): they must equal the
+    values planned with, and travel as tree structure, not as arrays.
+  * In-place flax.nnx objects: the new state the program returns is written
+    back into them (as ``nnx.jit`` and ``ad.auto_shard`` do), and the step's
+    own result is returned.
   """
 
-  def __init__(self, jitted, in_shardings):
+  def __init__(self, jitted, in_shardings, *, retype: bool,
+               static: Mapping[int, Any], nnx_args: tuple[int, ...]):
     self._jitted = jitted
     self._in = in_shardings
+    self._retype = retype
+    self._static = static
+    self._nnx = nnx_args
 
-  def _retype(self, args):
-    def one(x, s):
-      if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-      if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) \
-          and x.sharding.mesh != s.mesh:
-        return jax.device_put(x, s)
-      return x
-    return jax.tree_util.tree_map(one, tuple(args), self._in)
+  def _args(self, args) -> tuple:
+    args = tuple(args)
+    if self._static:
+      # Static values as given, or as _Static nodes (a tree built from the
+      # plan's own in_tree, as verify does).
+      args = tuple(a.value if isinstance(a, _Static) else a for a in args)
+      for i, want in self._static.items():
+        got = args[i] if i < len(args) else "(missing)"
+        if not _Static.same(got, want):
+          raise TypeError(
+              f"static argument {i} is {got!r}; the plan was made with "
+              f"{want!r}. Plan again for that value (each static value is "
+              "its own program)")
+      args = tuple(_Static(a) if i in self._static else a
+                   for i, a in enumerate(args))
+    if self._retype:
+      def one(x, s):
+        if isinstance(x, jax.ShapeDtypeStruct):
+          return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        if isinstance(x, jax.Array) and isinstance(
+            x.sharding, NamedSharding) and x.sharding.mesh != s.mesh:
+          return jax.device_put(x, s)
+        return x
+      args = jax.tree_util.tree_map(one, args, self._in)
+    return args
 
   def __call__(self, *args):
-    return self._jitted(*self._retype(args))
+    out = self._jitted(*self._args(args))
+    if not self._nnx:
+      return out
+    from flax import nnx
+    *new, out = out
+    for i in self._nnx:
+      nnx.update(args[i], nnx.state(new[i]))
+    return out
 
   def lower(self, *args):
-    return self._jitted.lower(*self._retype(args))
+    return self._jitted.lower(*self._args(args))
 
 
 def _itemsize(a) -> int:
@@ -582,13 +733,12 @@ def _merge_repeated_params(groups, graph: OpGraph, tokens, min_repeats=4):
 
 def _setup(fn, args, mesh, cluster, tie_repeated: bool = True):
   cluster = H100_NODE if cluster is None else cluster
-  if isinstance(mesh, Mapping):
-    mesh = AbstractMesh(tuple(int(s) for s in mesh.values()),
-                        tuple(mesh.keys()))
   if not isinstance(cluster, Cluster):
     raise TypeError(f"cluster must be an autoddl_jax.Cluster, got "
                     f"{type(cluster).__name__}")
-  mi = mesh_info(mesh, cluster)
+  mi = mesh_info(mesh, cluster)  # validates the mesh before tracing
+  if isinstance(mesh, Mapping):
+    mesh = AbstractMesh(mi.axis_sizes, mi.axis_names)
   tr = _trace(fn, args)
   graph = build_graph(tr.closed, tr.in_names, tr.out_names, tr.splittable)
   out_to_in, tie_groups = _state_ties(tr)
@@ -692,7 +842,8 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes) or an
       ``AbstractMesh`` for planning without devices.
     cluster: the hardware to cost for; defaults to an H100 node preset.
-    memory_budget: bytes per device the plan's peak memory must fit in.
+    memory_budget: bytes per device the plan's peak memory must fit in: a
+      number or a string such as ``"16GiB"`` or ``"512MB"``.
     verbose: print the search's progress to stderr (one line per start and
       round, with the best cost so far); by default only when stderr is a
       terminal, so scripts, logs and tests stay quiet.
@@ -701,10 +852,9 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     A :class:`Plan`.
   """
   t0 = time.perf_counter()
+  if memory_budget is not None:
+    memory_budget = parse_bytes(memory_budget, "memory_budget")
   cluster, mesh, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster)
-  if memory_budget is not None and not memory_budget > 0:
-    raise ValueError(f"memory_budget must be a positive number of bytes, got "
-                     f"{memory_budget!r}")
   seeds = _seeds(prob, graph, tr, mi, state)
   if any(s is not None for s in tr.shardings):
     user = _pins_for(prob, graph, tr, mi, _user_codes(tr, mi))
@@ -805,6 +955,11 @@ def _to_codes(s, aval, mi: MeshInfo, where: str) -> tuple[int, ...]:
   if not isinstance(s, PartitionSpec):
     raise TypeError(f"{where}: expected a NamedSharding, PartitionSpec or "
                     f"None, got {type(s).__name__}")
+  if getattr(s, "unreduced", None) or getattr(s, "reduced", None):
+    raise ValueError(f"{where}: {s} holds an unreduced (partial-sum) or "
+                     "reduced axis, which cannot sit at a jit boundary: "
+                     "arguments and results are whole values. Drop "
+                     "unreduced=/reduced= from it")
   codes = spec_to_codes(s, rank, mi.axis_names)
   for d in range(rank):
     k = math.prod(sz for c, sz in zip(codes, mi.axis_sizes) if c == d)
@@ -814,25 +969,70 @@ def _to_codes(s, aval, mi: MeshInfo, where: str) -> tuple[int, ...]:
   return codes
 
 
+def _is_sharding_leaf(x) -> bool:
+  return x is None or isinstance(x, NamedSharding | PartitionSpec)
+
+
+def _unbox(tree):
+  """Flax's boxed values (``nn.Partitioned`` and other axis metadata, nnx
+  ``Variable``s) replaced by what they hold, so a tree of shardings flax
+  hands out (``nn.get_sharding``, ``nnx.get_named_sharding``) is a prefix
+  of the arguments whatever their boxing."""
+  if "flax" not in sys.modules:
+    return tree
+  from flax import nnx
+  from flax.core import meta
+  boxed = lambda x: isinstance(x, meta.AxisMetadata | nnx.Variable)  # noqa
+  return jax.tree_util.tree_map(
+      lambda x: _unbox(x.get_value() if isinstance(x, nnx.Variable) else
+                       x.unbox()) if boxed(x) else x, tree,
+      is_leaf=lambda x: boxed(x) or _is_sharding_leaf(x))
+
+
 def _flat_shardings(tree, target_tree, n: int, what: str) -> list:
+  """One sharding per leaf of ``target_tree`` from what ``jax.jit`` takes:
+  one sharding for every leaf, or a pytree prefix of the arguments (results)
+  -- ``(None, None, P('data'))`` for three arguments -- whose each sharding
+  covers the subtree under it."""
   if tree is None:
     return [None] * n
-  is_leaf = lambda x: x is None or isinstance(  # noqa: E731
-      x, NamedSharding | PartitionSpec)
-  leaves, t = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
-  if len(leaves) == 1 and n != 1 and t.num_nodes == 1:
-    return leaves * n
+  tree = _unbox(tree)
+  if _is_sharding_leaf(tree):
+    return [tree] * n
+  for path, s in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_is_sharding_leaf)[0]:
+    if not _is_sharding_leaf(s):
+      raise TypeError(f"{what}{jax.tree_util.keystr(path)}: expected a "
+                      f"NamedSharding, PartitionSpec or None, got "
+                      f"{type(s).__name__} {s!r}")
+  index = jax.tree_util.tree_unflatten(target_tree, range(n))
+  flat: list = [None] * n
+  def put(s, sub):
+    for i in jax.tree_util.tree_leaves(sub):
+      flat[i] = s
   try:
-    return target_tree.flatten_up_to(tree)
+    jax.tree_util.tree_map(put, tree, index, is_leaf=_is_sharding_leaf)
   except (ValueError, TypeError) as e:
-    raise ValueError(f"{what} must be one sharding or a pytree shaped like "
-                     f"the {'arguments' if 'in' in what else 'results'}: "
-                     f"{e}") from e
+    whose, entry = (("arguments", ": a tuple with one entry per argument")
+                    if what.startswith("in_") else ("results", ""))
+    got = jax.tree_util.tree_structure(tree, is_leaf=_is_sharding_leaf)
+    raise ValueError(
+        f"{what} must be one sharding or a pytree prefix of the {whose} (as "
+        f"jax.jit takes{entry}, each entry a NamedSharding, PartitionSpec, "
+        f"None or a tree of them); got {got} for {whose} {target_tree}. "
+        f"{str(e).splitlines()[0]}") from e
+  return flat
 
 
 def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
               out_shardings=None, cluster: Cluster | None = None) -> Plan:
   """A Plan whose arguments (and results) follow the given shardings.
+
+  ``in_shardings`` / ``out_shardings`` are what ``jax.jit`` takes: one
+  ``NamedSharding`` / ``PartitionSpec`` / None (replicated) for every leaf,
+  or a pytree prefix of the arguments (results), such as ``(None, None,
+  P("data"))`` for three arguments; flax's boxed trees (``nn.get_sharding``
+  of a ``TrainState``, ``nnx.get_named_sharding``) work as they come.
 
   The intermediates get the cheapest layout under the cost model given that
   boundary, which is what XLA's sharding propagation aims at too.
@@ -844,7 +1044,8 @@ def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
                         "in_shardings")
   pins = {}
   for i, (s, a) in enumerate(zip(ins, tr.in_avals)):
-    codes = _to_codes(s, a, mi, f"in_shardings for {tr.in_names[i]}")
+    codes = _to_codes(s, a, mi,
+                      f"in_shardings for argument {tr.in_names[i] or i}")
     k = prob.find_candidate(graph.input_ops[i], codes)
     if k is None:
       raise ValueError(f"in_shardings for {tr.in_names[i]}: {s} cannot be "
@@ -854,7 +1055,8 @@ def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
     outs = _flat_shardings(out_shardings, tr.out_tree, len(tr.out_avals),
                            "out_shardings")
     for j, (s, a) in enumerate(zip(outs, tr.out_avals)):
-      codes = _to_codes(s, a, mi, f"out_shardings for {tr.out_names[j]}")
+      codes = _to_codes(s, a, mi, f"out_shardings for result "
+                        f"{tr.out_names[j] or j}")
       pins[graph.output_ops[j]] = prob.find_candidate(graph.output_ops[j],
                                                       codes)
   # A hand plan may lay out a result differently from the argument it updates
@@ -874,8 +1076,9 @@ def cost_of(fn: Callable, *args: Any, mesh, in_shardings, out_shardings=None,
   """Scores a hand-written plan on the same cost model as :func:`plan`.
 
   Args:
-    in_shardings: one sharding or a pytree shaped like ``args`` of
-      ``NamedSharding``/``PartitionSpec``/None (None = replicated).
+    in_shardings: one sharding, or a pytree prefix of ``args`` (as
+      ``jax.jit`` takes) of ``NamedSharding``/``PartitionSpec``/None
+      (None = replicated); see :func:`hand_plan`.
     out_shardings: likewise for the results; None leaves them to the model.
   """
   return hand_plan(fn, *args, mesh=mesh, in_shardings=in_shardings,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -10,26 +11,21 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autoddl_jax._api import Plan, plan as make_plan
-from autoddl_jax._cluster import Cluster
-
-
-def _is_nnx_node(x: Any) -> bool:
-  """Flax nnx modules / optimizers (graph nodes), without importing flax
-  unless the argument is one of its objects."""
-  if not any((c.__module__ or "").startswith("flax.")
-             for c in type(x).__mro__):
-    return False
-  from flax import nnx
-  return nnx.graph.is_graph_node(x)
+from autoddl_jax._api import Plan, _static_argnums, is_nnx_node
+from autoddl_jax._api import plan as make_plan
+from autoddl_jax._cluster import Cluster, parse_bytes
 
 
 def _signature(args) -> Any:
   leaves, tree = jax.tree_util.tree_flatten(args)
   # Python scalars sign as the arrays they become (a TrainState's step is 0,
-  # then an int32 array).
-  return tree, tuple((tuple(jax.numpy.shape(x)),
-                      str(jax.numpy.result_type(x))) for x in leaves)
+  # then an int32 array). Other leaves are refused when the step is planned.
+  def sign(x):
+    if not hasattr(x, "shape") and not isinstance(x, bool | int | float |
+                                                  complex):
+      return type(x).__name__, repr(x)
+    return tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x))
+  return tree, tuple(sign(x) for x in leaves)
 
 
 def _abstract(x: Any, mesh: Mesh) -> Any:
@@ -40,6 +36,8 @@ def _abstract(x: Any, mesh: Mesh) -> Any:
       mesh.shape_tuple:
     s = None
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    if not isinstance(x, bool | int | float | complex):
+      return x  # not an array: the planner's tracing says what to do
     x = jax.numpy.asarray(x)
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
@@ -63,12 +61,15 @@ class AutoShard:
 
   Attributes:
     plan: the plan of the most recent call (``None`` before the first).
-    plans: every plan made, by argument signature.
+    plans: the cached plans by argument signature, least recently used
+      first; at most ``cache_size`` (the oldest is dropped, with its jitted
+      function, when a new signature needs room). ``cache_clear()`` empties
+      it.
   """
 
   def __init__(self, fn: Callable, mesh: Mesh | None, cluster: Cluster | None,
                memory_budget: float | None, donate_argnums: Sequence[int],
-               verbose: bool | None):
+               verbose: bool | None, cache_size: int):
     functools.update_wrapper(self, fn)
     self._fn = fn
     self._mesh = mesh
@@ -77,9 +78,18 @@ class AutoShard:
     self._donate = tuple(donate_argnums)
     self._verbose = verbose
     self._lock = threading.Lock()
-    self.plans: dict[Any, Plan] = {}
+    self.cache_size = cache_size
+    self.plans: collections.OrderedDict[Any, Plan] = collections.OrderedDict()
     self._jitted: dict[Any, Any] = {}
     self.plan: Plan | None = None
+
+  def cache_clear(self) -> None:
+    """Drops every cached plan and jitted function (as ``jax.jit``'s
+    ``clear_cache``); the next call plans again."""
+    with self._lock:
+      self.plans.clear()
+      self._jitted.clear()
+      self.plan = None
 
   @property
   def mesh(self) -> Mesh:
@@ -89,16 +99,22 @@ class AutoShard:
     return self._mesh
 
   def __call__(self, *args):
-    nodes = [i for i, a in enumerate(args) if _is_nnx_node(a)]
+    nodes = [i for i, a in enumerate(args) if is_nnx_node(a)]
     if nodes:
       return self._call_nnx(args, nodes)
     return self._run(self._fn, args, extra_key=None)
 
   def _run(self, fn: Callable, args: tuple, extra_key: Any):
-    key = (extra_key, _signature(args))
+    # A jax.jit step's static arguments are planned as values: each value is
+    # its own signature.
+    static = _static_argnums(fn, len(args))
+    key = (extra_key, _signature([a for i, a in enumerate(args)
+                                  if i not in static]),
+           tuple((i, type(args[i]), args[i]) for i in static))
     with self._lock:
       if key not in self.plans:
-        abstract = jax.tree.map(lambda x: _abstract(x, self.mesh), args)
+        abstract = [a if i in static else jax.tree.map(
+            lambda x: _abstract(x, self.mesh), a) for i, a in enumerate(args)]
         p = make_plan(fn, *abstract, mesh=self.mesh, cluster=self._cluster,
                       memory_budget=self._budget, verbose=self._verbose)
         if jax.process_count() > 1:  # one plan everywhere, before compiling
@@ -106,9 +122,14 @@ class AutoShard:
           check_same_plan(p)
         self.plans[key] = p
         self._jitted[key] = p.jit(donate_argnums=self._donate)
+        while len(self.plans) > self.cache_size:
+          old, _ = self.plans.popitem(last=False)
+          del self._jitted[old]
+      self.plans.move_to_end(key)
       self.plan = self.plans[key]
       jitted = self._jitted[key]
-    placed = jax.tree.map(_place, args, self.plan.in_shardings)
+    placed = [a if i in static else jax.tree.map(_place, a, s)
+              for i, (a, s) in enumerate(zip(args, self.plan.in_shardings))]
     return jitted(*placed)
 
   def _call_nnx(self, args: tuple, nodes: list[int]):
@@ -143,7 +164,7 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
                cluster: Cluster | None = None,
                memory_budget: float | None = None,
                donate_argnums: int | Sequence[int] = (),
-               verbose: bool | None = None) -> Any:
+               verbose: bool | None = None, cache_size: int = 16) -> Any:
   """Plans a step's sharding on first call and runs it with ``jax.jit``.
 
   Use as ``@ad.auto_shard(mesh=mesh)``, bare as ``@ad.auto_shard`` (one
@@ -161,12 +182,21 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
     fn: the step function.
     mesh: the ``jax.sharding.Mesh`` to plan for.
     cluster: the hardware to cost for (default: ``ad.H100_NODE``).
-    memory_budget: bytes per device the plan must fit in.
+    memory_budget: bytes per device the plan must fit in: a number or a
+      string such as ``"16GiB"``.
     donate_argnums: passed to ``jax.jit``.
     verbose: print the search's progress (default: when stderr is a tty).
+    cache_size: how many argument signatures keep their plan and jitted
+      function (least recently used dropped first); ``step.cache_clear()``
+      drops them all.
   """
   if isinstance(donate_argnums, int):
     donate_argnums = (donate_argnums,)
+  if memory_budget is not None:
+    memory_budget = parse_bytes(memory_budget, "memory_budget")
+  if isinstance(cache_size, bool) or not isinstance(cache_size, int) or \
+      cache_size < 1:
+    raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
   if mesh is not None and not isinstance(mesh, Mesh):
     raise TypeError(f"auto_shard needs a concrete jax.sharding.Mesh (it runs "
                     f"the step), got {type(mesh).__name__}; plan abstract "
@@ -174,7 +204,9 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
   if fn is None:
     return functools.partial(auto_shard, mesh=mesh, cluster=cluster,
                              memory_budget=memory_budget,
-                             donate_argnums=donate_argnums, verbose=verbose)
+                             donate_argnums=donate_argnums, verbose=verbose,
+                             cache_size=cache_size)
   if not callable(fn):
     raise TypeError(f"auto_shard decorates a function, got {type(fn).__name__}")
-  return AutoShard(fn, mesh, cluster, memory_budget, donate_argnums, verbose)
+  return AutoShard(fn, mesh, cluster, memory_budget, donate_argnums, verbose,
+                   cache_size)

@@ -13,13 +13,49 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-__all__ = ["Cluster", "H100_NODE", "MeshInfo", "mesh_info"]
+__all__ = ["Cluster", "H100_NODE", "MeshInfo", "mesh_info", "parse_bytes"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: float | str, what: str = "size") -> float:
+  """A positive number of bytes from a number or a string (``"16GiB"``,
+  ``"512MB"``, ``"1e9"``). ``bool`` is refused (``True`` is not 1 byte).
+
+  Raises ``TypeError`` for another type and ``ValueError`` for a string that
+  is not a size or a value that is not positive and finite.
+  """
+  if isinstance(value, str):
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
+                     r"([A-Za-z]*)\s*", value)
+    if not m or m.group(2).upper() not in _UNITS:
+      raise ValueError(f"{what}={value!r} is not a size; write e.g. '16GiB', "
+                       "'512MB' or a number of bytes")
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+  elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{what} must be a number of bytes or a string such as "
+                    f"'16GiB', got {type(value).__name__} {value!r}")
+  value = float(value)
+  if not (value > 0 and math.isfinite(value)):
+    raise ValueError(f"{what} must be a positive, finite number of bytes, got "
+                     f"{value!r}")
+  return value
+
+
+def _axis_size(name, size) -> int:
+  if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+    raise TypeError(f"mesh axis {name!r} has size {size!r} "
+                    f"({type(size).__name__}); sizes must be integers")
+  return int(size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +135,8 @@ def mesh_info(mesh: Mesh | AbstractMesh | Mapping[str, int],
               cluster: Cluster) -> MeshInfo:
   """Normalizes a concrete mesh, an abstract mesh or a name->size mapping."""
   if isinstance(mesh, Mapping):
-    names, sizes = tuple(mesh.keys()), tuple(int(s) for s in mesh.values())
+    names = tuple(mesh.keys())
+    sizes = tuple(_axis_size(n, s) for n, s in mesh.items())
   elif isinstance(mesh, (Mesh, AbstractMesh)):
     names, sizes = tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes)
   else:
@@ -123,6 +160,12 @@ def mesh_info(mesh: Mesh | AbstractMesh | Mapping[str, int],
     n_avail = len(jax.devices())
     if have > n_avail:
       raise ValueError(f"mesh uses {have} devices but jax sees {n_avail}")
+    ids = [d.id for d in mesh.devices.flat]
+    if len(set(ids)) != len(ids):
+      twice = sorted({i for i in ids if ids.count(i) > 1})
+      raise ValueError(f"mesh holds device(s) {twice} more than once; each "
+                       "device may appear once (build it with jax.make_mesh "
+                       "or from distinct jax.devices())")
   links = tuple(_axis_link(sizes, a, cluster.devices_per_node)
                 for a in range(len(names)))
   alpha = tuple(cluster.intra_node_latency if l == "intra"

@@ -322,13 +322,24 @@ def collectives(compiled: Any, mesh: Any = None) -> list[Collective]:
   """
   if isinstance(compiled, str):
     text, n = compiled, 1
-  else:
+  elif isinstance(compiled, jax.stages.Lowered):
+    # A Lowered program's text is StableHLO before partitioning: it holds
+    # no collectives yet, and an empty list would read as "none emitted".
+    raise TypeError("ad.collectives needs a compiled program: pass "
+                    "lowered.compile() (the collectives are chosen when XLA "
+                    "partitions the program), not the jax.stages.Lowered")
+  elif isinstance(compiled, jax.stages.Compiled) or (
+      hasattr(compiled, "as_text") and hasattr(compiled, "input_shardings")):
     text = compiled.as_text()
     shardings = [s for s in jax.tree_util.tree_leaves(
         getattr(compiled, "input_shardings", ()))]
     n = max((len(s.device_set) for s in shardings), default=1)
     if mesh is None:
       mesh = next((s.mesh for s in shardings if hasattr(s, "mesh")), None)
+  else:
+    raise TypeError(f"ad.collectives takes a compiled program "
+                    f"(jax.jit(f).lower(...).compile()) or its HLO text, got "
+                    f"{type(compiled).__name__}")
   if mesh is not None:
     n = max(n, math.prod(mesh.axis_sizes) if hasattr(mesh, "axis_sizes")
             else mesh.devices.size)

@@ -92,12 +92,16 @@ def read(path: str | os.PathLike) -> dict[str, Any]:
   """The JSON of a plan file, checked for format and version."""
   path = os.fspath(path)
   try:
-    with open(path) as f:
-      text = f.read()
+    with open(path, "rb") as f:
+      raw = f.read()
   except OSError as e:
     raise PlanFileError(f"cannot read plan file {path!r}: {e}") from e
   try:
-    data = json.loads(text)
+    data = json.loads(raw.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise PlanFileError(
+        f"plan file {path!r} is corrupted (not UTF-8 text: byte "
+        f"{e.start}); save the plan again") from e
   except json.JSONDecodeError as e:
     raise PlanFileError(
         f"plan file {path!r} is truncated or corrupted (not valid JSON: "
@@ -112,7 +116,55 @@ def read(path: str | os.PathLike) -> dict[str, Any]:
   for key in ("fingerprint", "choice", "arguments"):
     if key not in data:
       raise PlanFileError(f"plan file {path!r} is corrupted: no {key!r}")
+  problem = _schema_problem(data)
+  if problem:
+    raise PlanFileError(f"plan file {path!r} is corrupted: {problem}; save "
+                        "the plan again")
   return data
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _schema_problem(data: dict[str, Any]) -> str | None:
+  """What in a parsed plan file is not of the form :func:`to_json` writes
+  (None when all is)."""
+  fp = data["fingerprint"]
+  if not isinstance(fp, dict):
+    return f"'fingerprint' is a {type(fp).__name__}, not an object"
+  if not isinstance(fp.get("program"), str):
+    return "'fingerprint.program' is not a string"
+  mesh = fp.get("mesh")
+  if not (isinstance(mesh, dict) and mesh and all(
+      isinstance(k, str) and _is_int(v) and v >= 1 for k, v in mesh.items())):
+    return "'fingerprint.mesh' is not an object of axis name -> size"
+  if not isinstance(fp.get("cluster"), dict):
+    return "'fingerprint.cluster' is not an object"
+  choice = data["choice"]
+  if not (isinstance(choice, list) and all(_is_int(c) for c in choice)):
+    return "'choice' is not a list of integers"
+  args = data["arguments"]
+  if not isinstance(args, list):
+    return "'arguments' is not a list"
+  for i, a in enumerate(args):
+    if not (isinstance(a, dict) and all(isinstance(a.get(k), str) for k in
+                                        ("path", "dtype", "sbp", "spec"))
+            and isinstance(a.get("shape"), list)
+            and all(_is_int(d) for d in a["shape"])):
+      return (f"argument entry {i} is not an object with path, shape, dtype, "
+              "sbp and spec")
+  cost = data.get("cost", {})
+  if not (isinstance(cost, dict) and all(_is_number(v)
+                                         for v in cost.values())):
+    return "'cost' is not an object of numbers"
+  if not isinstance(data.get("links", {}), dict):
+    return "'links' is not an object"
+  return None
 
 
 def load(path: str | os.PathLike, fn: Callable, args: tuple, mesh,

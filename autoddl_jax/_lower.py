@@ -75,7 +75,7 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
     elif name == "while":
       outs = _while(eqn, invals, sub, pins)
     else:
-      outs = _bind(eqn, invals)
+      outs = _bind(eqn, invals, pins.mesh)
       if not eqn.primitive.multiple_results:
         outs = [outs]
     for v, x in zip(eqn.outvars, outs):
@@ -84,7 +84,7 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
   return [read(v) for v in jaxpr.outvars]
 
 
-def _bind(eqn, invals):
+def _bind(eqn, invals, mesh: Mesh | None = None):
   bp = eqn.primitive.get_bind_params(eqn.params)
   if isinstance(bp, tuple):  # older jax: (subfuns, params)
     subfuns, bp = bp
@@ -93,13 +93,22 @@ def _bind(eqn, invals):
   ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
   if ctx is None:
     return eqn.primitive.bind(*subfuns, *invals, **bp)
-  with ctx:
+  if mesh is None:
+    with ctx:
+      return eqn.primitive.bind(*subfuns, *invals, **bp)
+  # The equation's context (compute type, PRNG partitioning, XLA metadata) is
+  # kept, but not the mesh it was traced under: a step traced inside
+  # ``jax.set_mesh`` of an Explicit-axes mesh would otherwise re-enter that
+  # mesh, while the planned program runs on its Auto view.
+  with ctx, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     return eqn.primitive.bind(*subfuns, *invals, **bp)
 
 
 def _inline(eqn, invals, ctx, pins):
   jaxpr, consts = _sub_jaxpr(eqn.params)
   args = invals[len(invals) - len(jaxpr.invars):]
+  if eqn.primitive.name in CUSTOM_AD:
+    return _custom_ad(eqn, jaxpr, consts, invals, ctx, pins)
   if eqn.primitive.name in ("remat2", "checkpoint"):
     fn = jax.checkpoint(
         lambda *a: interpret(jaxpr, consts, a, ctx, pins),
@@ -107,6 +116,19 @@ def _inline(eqn, invals, ctx, pins):
         policy=eqn.params.get("policy"))
     return fn(*args)
   return interpret(jaxpr, consts, args, ctx, pins)
+
+
+# Calls with user-defined derivatives: the body is interpreted with its pins,
+# and the call is bound again around it, so that differentiating the planned
+# function (``jax.grad(plan.jit())``) still uses the user's rule.
+CUSTOM_AD = ("custom_jvp_call", "custom_vjp_call")
+
+
+def _custom_ad(eqn, jaxpr, consts, invals, ctx, pins):
+  body = jax.make_jaxpr(lambda *a: interpret(jaxpr, consts, a, ctx, pins))(
+      *invals)
+  return _bind(eqn.replace(params={**eqn.params, "call_jaxpr": body}),
+               invals, pins.mesh)
 
 
 def _scan(eqn, invals, ctx, pins):
@@ -155,16 +177,42 @@ def _while(eqn, invals, ctx, pins):
   return lax.while_loop(cond, body, list(init))
 
 
-def planned_function(closed_jaxpr, in_tree, out_tree,
-                     pins: Pins) -> Callable[..., Any]:
-  """A Python function computing the traced program with the plan's pins."""
+def planned_function(closed_jaxpr, in_tree, out_tree, pins: Pins,
+                     in_names: Sequence[str] | None = None
+                     ) -> Callable[..., Any]:
+  """A Python function computing the traced program with the plan's pins.
+
+  It takes exactly the argument structure, shapes and dtypes the program was
+  traced with: the traced program has those shapes baked in (a mean divides
+  by the planned batch size), so other arguments raise ``TypeError``.
+  """
+  want = [(tuple(a.shape), a.dtype) for a in closed_jaxpr.in_avals]
+  names = list(in_names) if in_names is not None else [
+      f"leaf {i}" for i in range(len(want))]
 
   def fn(*args):
     flat, tree = jax.tree_util.tree_flatten(args)
     if tree != in_tree:
       raise TypeError(f"planned function called with arguments of structure "
                       f"{tree}, but it was planned for {in_tree}")
-    outs = interpret(closed_jaxpr.jaxpr, closed_jaxpr.consts, flat, (), pins)
+    # Under jax.jit every leaf is a tracer with a shape and a dtype.
+    got = [(tuple(x.shape), x.dtype) for x in flat]
+    bad = [(n, w, g) for n, w, g in zip(names, want, got) if g != w]
+    if bad:
+      fmt = lambda t: f"{t[1]}{list(t[0])}"  # noqa: E731
+      raise TypeError(
+          "the planned step was called with other argument shapes or dtypes "
+          "than it was planned for (a plan is made for one signature): " +
+          "; ".join(f"{n} planned {fmt(w)}, given {fmt(g)}"
+                    for n, w, g in bad[:5]) +
+          (f"; and {len(bad) - 5} more" if len(bad) > 5 else "") +
+          ". Plan again for these arguments (ad.plan), or use "
+          "ad.auto_shard, which plans each new signature once and caches it.")
+    # Run on the plan's (Auto-axes) mesh, whatever mesh the caller set with
+    # ``jax.set_mesh``: the constraints and the argument types refer to it.
+    with jax.sharding.use_abstract_mesh(pins.mesh.abstract_mesh):
+      outs = interpret(closed_jaxpr.jaxpr, closed_jaxpr.consts, flat, (),
+                       pins)
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
   return fn

@@ -152,15 +152,13 @@ def test_cost_of_scores_hand_plans_and_checks_them():
   rep = ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=None,
                    cluster=TEST_CLUSTER)
   assert rep.memory_bytes > cost.memory_bytes
-  with pytest.raises(ValueError, match="does not divide"):
-    ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=(P(), P(None, "x"))
-               if False else (P("data", "model"), P(None, ("data", "model")))
-               , cluster=TEST_CLUSTER) if False else ad.cost_of(
-        _mlp_step, jnp.ones((3, 32)), jnp.ones((8, 3)), mesh=mesh,
-        in_shardings=(P("data"), P()))
+  with pytest.raises(ValueError, match="splits dim 0 of size 3 2 ways, which "
+                     "does not divide it"):
+    ad.cost_of(_mlp_step, jnp.ones((3, 32)), jnp.ones((8, 3)), mesh=mesh,
+               in_shardings=(P("data"), P()))
   with pytest.raises(ValueError, match="does not have"):
     ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=(P("x"), P()))
-  with pytest.raises(ValueError, match="pytree shaped like the arguments"):
+  with pytest.raises(ValueError, match="pytree prefix of the arguments"):
     ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=(P(), P(), P()))
   with pytest.raises(ValueError, match="mesh axes"):
     other = jax.make_mesh((8,), ("z",))
