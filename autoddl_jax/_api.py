@@ -107,7 +107,7 @@ class _Static:
     return cls(value)
 
 
-def _static_argnums(fn: Callable, nargs: int) -> tuple[int, ...]:
+def static_argnums(fn: Callable, nargs: int) -> tuple[int, ...]:
   """Positions of ``fn``'s static arguments if it is a ``jax.jit`` function
   (``static_argnums``, and ``static_argnames`` given positionally)."""
   info = getattr(fn, "_jit_info", None)
@@ -169,23 +169,27 @@ def _abstract_leaf(path, x):
 
 
 def _auto_context_mesh():
-  """The caller's context mesh (``jax.set_mesh``) with its axes Auto.
+  """No Explicit-axes context mesh while tracing.
 
-  Tracing under an Explicit-axes context mesh writes that mesh into the
-  program's types and parameters; the plan is lowered on the Auto view of the
-  same devices, so the program is traced on that view too.
+  Tracing under ``jax.set_mesh`` of an Explicit-axes mesh (the
+  ``jax.make_mesh`` default) writes that mesh into the program's types and
+  parameters, while the plan is lowered on the Auto view of the same
+  devices. The step is traced as outside any mesh instead, so it is the same
+  program (and fingerprint) wherever it was planned.
   """
   cur = jax.sharding.get_abstract_mesh()
   if cur.empty or all(t == AxisType.Auto for t in cur.axis_types):
     return contextlib.nullcontext()
-  return jax.sharding.use_abstract_mesh(
-      cur.update(axis_types=(AxisType.Auto,) * len(cur.axis_names)))
+  try:
+    return jax.set_mesh(None)  # no mesh at all, as outside set_mesh
+  except ValueError:  # planning inside a jax trace: set_mesh is refused
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), ()))
 
 
 def _trace(fn: Callable, args: tuple) -> _Traced:
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-  static = {i: args[i] for i in _static_argnums(fn, len(args))}
+  static = {i: args[i] for i in static_argnums(fn, len(args))}
   for i, v in static.items():
     try:
       hash(v)
@@ -978,15 +982,21 @@ def _unbox(tree):
   ``Variable``s) replaced by what they hold, so a tree of shardings flax
   hands out (``nn.get_sharding``, ``nnx.get_named_sharding``) is a prefix
   of the arguments whatever their boxing."""
-  if "flax" not in sys.modules:
+  if "flax" not in sys.modules:  # no flax objects without flax imported
     return tree
   from flax import nnx
   from flax.core import meta
-  boxed = lambda x: isinstance(x, meta.AxisMetadata | nnx.Variable)  # noqa
+
+  def boxed(x) -> bool:
+    return isinstance(x, meta.AxisMetadata | nnx.Variable)
+
+  def open_box(x):
+    if isinstance(x, nnx.Variable):
+      return x.get_value()
+    return x.unbox() if boxed(x) else x
+
   return jax.tree_util.tree_map(
-      lambda x: _unbox(x.get_value() if isinstance(x, nnx.Variable) else
-                       x.unbox()) if boxed(x) else x, tree,
-      is_leaf=lambda x: boxed(x) or _is_sharding_leaf(x))
+      open_box, tree, is_leaf=lambda x: boxed(x) or _is_sharding_leaf(x))
 
 
 def _flat_shardings(tree, target_tree, n: int, what: str) -> list:

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autoddl_jax._api import Plan, _static_argnums, is_nnx_node
+from autoddl_jax._api import Plan, static_argnums, is_nnx_node
 from autoddl_jax._api import plan as make_plan
 from autoddl_jax._cluster import Cluster, parse_bytes
 
@@ -107,7 +107,7 @@ class AutoShard:
   def _run(self, fn: Callable, args: tuple, extra_key: Any):
     # A jax.jit step's static arguments are planned as values: each value is
     # its own signature.
-    static = _static_argnums(fn, len(args))
+    static = static_argnums(fn, len(args))
     key = (extra_key, _signature([a for i, a in enumerate(args)
                                   if i not in static]),
            tuple((i, type(args[i]), args[i]) for i in static))

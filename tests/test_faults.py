@@ -215,6 +215,19 @@ def test_planning_and_running_inside_set_mesh(where, placed):
   assert_tree_close(got[0], want[0], 1e-5, "params")
 
 
+def test_a_plan_saved_outside_set_mesh_loads_inside(tmp_path):
+  mesh = make_mesh((2, 4))
+  ex = models.mlp()
+  plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=TEST_CLUSTER)
+  plan.save(tmp_path / "plan.json")
+  with jax.set_mesh(mesh):  # the same program, so the same fingerprint
+    loaded = ad.load_plan(tmp_path / "plan.json", ex.step, *ex.args,
+                          mesh=mesh, cluster=TEST_CLUSTER)
+    got = loaded.jit()(*ex.args)
+  assert loaded.choice == plan.choice
+  assert rel_err(got[2], jax.jit(ex.step)(*ex.args)[2]) <= 1e-5
+
+
 # -------------------------------------------------- 9: memory_budget forms
 def test_memory_budget_takes_the_cli_strings_and_refuses_bools():
   ex = models.mlp()
