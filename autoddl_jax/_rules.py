@@ -253,6 +253,33 @@ def _concatenate(ins, outs, params):
   return factor_sigs(ins, outs, [letters] * len(ins), [letters])
 
 
+def _stack(ins, outs, params):
+  # The new dim holds one operand each: it never splits; the others map.
+  out = _dims(outs[0].rank)
+  letters = out[:params["axis"]] + out[params["axis"] + 1:]
+  return factor_sigs(ins, outs, [letters] * len(ins),
+                     [out[:params["axis"]] + "." + out[params["axis"] + 1:]])
+
+
+def _unstack(ins, outs, params):
+  x = _dims(ins[0].rank)
+  letters = x[:params["axis"]] + x[params["axis"] + 1:]
+  return factor_sigs(ins, outs, [x[:params["axis"]] + "." +
+                                 x[params["axis"] + 1:]],
+                     [letters] * len(outs))
+
+
+def _tile(ins, outs, params):
+  # A repeated dim does not split (the local tile of a shard repeats the
+  # shard, not the whole); dims tiled once map through. Leading new dims
+  # (more reps than the operand has dims) are never split.
+  reps = tuple(params["reps"])
+  new = outs[0].rank - ins[0].rank
+  x = _dims(ins[0].rank, new)
+  letters = "".join(c if r == 1 else "." for c, r in zip(x, reps[new:]))
+  return factor_sigs(ins, outs, [letters], ["." * new + letters])
+
+
 def _split(ins, outs, params):
   d = params["axis"]
   letters = "".join("." if i == d else c
@@ -414,6 +441,13 @@ def _scatter_add(ins, outs, params):
   return _dedup(sigs)
 
 
+def _scatter(ins, outs, params):
+  """scatter (set), scatter-mul/-max/-min: the window and batch dims split
+  as for scatter-add; no partial sums (the combiner is not a sum)."""
+  return [s for s in _scatter_add(ins, outs, params)
+          if P not in s[0] and P not in s[1]]
+
+
 def _convert(ins, outs, params):
   sigs = _elementwise(ins, outs, params)
   # Partial sums survive a cast only if it does not round them: float to a
@@ -446,7 +480,8 @@ UNARY = """abs acos acosh asin asinh atan atanh cbrt ceil clz conj cos cosh
 LINEAR_UNARY = """neg copy copy_p stop_gradient sharding_constraint reshard
   device_put optimization_barrier_identity""".split()
 BINARY = """atan2 rem pow max min nextafter and or xor eq ne lt le gt ge
-  shift_left shift_right_logical shift_right_arithmetic complex""".split()
+  eq_to le_to lt_to shift_left shift_right_logical shift_right_arithmetic
+  complex""".split()
 
 RULES: dict[str, Rule] = {}
 for _name in UNARY:
@@ -481,6 +516,9 @@ RULES["dynamic_slice"] = _linear("PB")(_dynamic_slice)
 RULES["dynamic_update_slice"] = _linear("PPB")(_dynamic_update_slice)
 RULES["concatenate"] = _linear("P")(_concatenate)
 RULES["split"] = _linear("P")(_split)
+RULES["stack"] = _linear("P")(_stack)
+RULES["unstack"] = _linear("P")(_unstack)
+RULES["tile"] = _linear("P")(_tile)
 RULES["pad"] = _pad
 RULES["bitcast_convert_type"] = _bitcast
 # Random bits must come out identical to the unsharded program's: generated
@@ -490,6 +528,7 @@ for _name in ("random_bits", "random_seed", "random_wrap", "random_unwrap",
   RULES[_name] = _replicated
 RULES["rev"] = _linear("P")(_rev)
 RULES["iota"] = _iota
+RULES["empty2"] = _iota  # uninitialised: each device makes its own piece
 RULES["dot_general"] = _linear("PB", "BP")(_dot_general)
 RULES["conv_general_dilated"] = _linear("PB", "BP")(_conv)
 RULES["reduce_window_max"] = _reduce_window
@@ -501,6 +540,8 @@ RULES["select_and_gather_add"] = _linear("PB")(_select_and_gather_add)
 RULES["gather"] = _linear("PB")(_gather)
 RULES["scatter-add"] = _scatter_add
 RULES["scatter_add"] = _scatter_add
+for _name in ("scatter", "scatter-mul", "scatter-max", "scatter-min"):
+  RULES[_name] = _scatter
 
 
 def signatures(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],
