@@ -44,6 +44,11 @@ def _conv(x, w):
                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
+def _patch_conv(x, w):  # a ViT / MLP-Mixer patch embedding
+  return lax.conv_general_dilated(x, w, (4, 4), "VALID",
+                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
 PROGRAMS = {
     "unary": (lambda x: [
         jnp.exp(x), jnp.log(jnp.abs(x) + 1), jnp.tanh(x), jax.nn.sigmoid(x),
@@ -90,6 +95,9 @@ PROGRAMS = {
     "conv": (lambda x, w: [_conv(x, w), *jax.grad(
         lambda x, w: _conv(x, w).sum(), (0, 1))(x, w)],
              [f32(2, 4, 4, 2), f32(3, 3, 2, 4)]),
+    "patch_conv": (lambda x, w: [_patch_conv(x, w), *jax.grad(
+        lambda x, w: _patch_conv(x, w).sum(), (0, 1))(x, w)],
+                   [f32(2, 8, 8, 3), f32(4, 4, 3, 5)]),
     "pool": (lambda x: [_pool(x), lax.reduce_window(
         x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
                         jax.grad(lambda x: _pool(x).sum())(x)],
