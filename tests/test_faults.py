@@ -18,6 +18,7 @@ import autoddl_jax as ad
 from autoddl_jax import models
 from conftest import TEST_CLUSTER
 from helpers import assert_tree_close, make_mesh, rel_err
+from test_auto import saved  # noqa: F401 (the saved-plan fixture)
 
 
 def _auto_mesh(shape=(2, 4)):
@@ -129,16 +130,6 @@ def test_derivatives_of_the_planned_function_keep_custom_rules():
 
 
 # ------------------------------------------------------- 7: plan files
-@pytest.fixture
-def saved(tmp_path):
-  ex = models.mlp()
-  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
-                 cluster=TEST_CLUSTER)
-  path = tmp_path / "plan.json"
-  plan.save(path)
-  return ex, path
-
-
 def _json_edit(fn):
   def edit(raw: bytes) -> bytes:
     data = json.loads(raw)
