@@ -41,6 +41,19 @@ ELEMENTWISE_FLOP = set(_rules.UNARY) | set(_rules.BINARY) | {
     "logistic", "erf"}
 
 
+def _demanded_layout(eqn) -> tuple[Any, tuple[str, ...]] | None:
+  """The (spec, mesh axis names) a ``with_sharding_constraint`` demands, or
+  None (another op, or a constraint with unconstrained dims)."""
+  if eqn.primitive.name != "sharding_constraint" or eqn.params.get(
+      "unconstrained_dims"):
+    return None
+  s = eqn.params.get("sharding")
+  spec, mesh = getattr(s, "spec", None), getattr(s, "mesh", None)
+  if spec is None or mesh is None:
+    return None
+  return spec, tuple(mesh.axis_names)
+
+
 class UnsupportedPrimitiveWarning(UserWarning):
   """An op with no signature rule: it runs replicated (correct, not fast)."""
 
@@ -73,6 +86,10 @@ class Op:
   name: str = ""
   leaf: int | None = None  # flat leaf index, for input/output ops
   key: Any = None  # same key = the same op of a repeated (unrolled) block
+  # A layout the step itself demands of this op's result (a user's
+  # ``with_sharding_constraint``): (PartitionSpec, mesh axis names). The
+  # problem holds it fixed, so the reshard into it is planned and costed.
+  fixed: Any = None
 
   def __post_init__(self):
     if not self.in_weights:
@@ -244,6 +261,7 @@ class _Builder:
     op = self.op(name, "eqn", ins, in_avals, out_avals, sigs, weight,
                  flops=eqn_flops(name, in_avals, out_avals, eqn.params))
     op.key = _repeat_key(eqn, in_avals, out_avals, weight)
+    op.fixed = _demanded_layout(eqn)
     return op
 
   def scan(self, eqn, ins, ctx, weight) -> list[int]:

@@ -25,7 +25,7 @@ import numpy as np
 from autoddl_jax._cluster import Cluster, MeshInfo
 from autoddl_jax._cost import StateSpace, state_space
 from autoddl_jax._graph import OpGraph
-from autoddl_jax._sbp import B_CODE as B
+from autoddl_jax._sbp import B_CODE as B, spec_to_codes
 
 MEMORY_ALIAS_OPS = ("~link", "~merge")  # outputs alias their inputs
 
@@ -50,6 +50,21 @@ class Evaluation:
   memory_bytes: float
 
 
+def _fixed_codes(op, slots, mi: MeshInfo) -> tuple[int, ...] | None:
+  """The nd codes an op's results must have (a user's sharding constraint
+  on the plan's mesh), or None. A constraint on another mesh, or one the
+  mesh cannot lay out, is left to the plan (and to XLA at run time)."""
+  if op.fixed is None:
+    return None
+  spec, axes = op.fixed
+  if tuple(axes) != mi.axis_names:
+    return None
+  try:
+    return spec_to_codes(spec, len(slots[-1].shape), mi.axis_names)
+  except ValueError:
+    return None
+
+
 class Problem:
   """Candidates, node costs and edges for one (graph, mesh, cluster)."""
 
@@ -70,11 +85,12 @@ class Problem:
                for t, a in zip(op.ins, op.in_avals)]
       slots += [graph.tensors[t].aval for t in op.outs]
       literal = tuple([t is None for t in op.ins] + [False] * len(op.outs))
+      fixed = _fixed_codes(op, slots, mi)
       key = (tuple(op.sigs), literal,
              tuple((tuple(a.shape), a.dtype.itemsize) for a in slots),
-             len(op.ins), op.prim in MEMORY_ALIAS_OPS)
+             len(op.ins), op.prim in MEMORY_ALIAS_OPS, fixed)
       if key not in structures:
-        structures[key] = self._candidates(op, slots, literal, mi)
+        structures[key] = self._candidates(op, slots, literal, mi, fixed)
       cands, slot_idx, spl, ob = structures[key]
       self.cands.append(cands)
       self.slot_idx.append(slot_idx)
@@ -99,11 +115,12 @@ class Problem:
     self._flatten()
 
   @staticmethod
-  def _candidates(op, slots, literal, mi: MeshInfo):
+  def _candidates(op, slots, literal, mi: MeshInfo, fixed=None):
     """(candidates, slot state indices, split factor, output bytes) of an op:
     the product of its 1-D signatures over the mesh axes, keeping those whose
     every slot's nd-SBP is a valid state (splits divide) and whose literal
-    inputs stay broadcast."""
+    inputs stay broadcast; with ``fixed`` (nd codes), only those whose
+    results have that layout."""
     spaces = [state_space(a.shape, a.dtype.itemsize, mi) for a in slots]
     all_b = next((i for i, (si, so) in enumerate(op.sigs)
                   if all(c == B for c in (*si, *so))), 0)
@@ -122,6 +139,9 @@ class Problem:
       else:
         seen.setdefault(tuple(nd), None)
     cands = list(seen)
+    if fixed is not None:
+      cands = [c for c in cands if all(c[s] == fixed for s in range(
+          len(op.ins), len(slots)))] or cands
     if not cands:  # cannot happen with an all-B signature; be safe
       cands = [tuple(tuple(B for _ in range(mi.ndim)) for _ in slots)]
     slot_idx = [np.array([spaces[s].index[c[s]] for c in cands],

@@ -23,3 +23,17 @@ TEST_CLUSTER = ad.Cluster(
 @pytest.fixture
 def cluster():
   return TEST_CLUSTER
+
+
+@pytest.fixture
+def saved(tmp_path):
+  """(example, path) of an MLP step's plan on a (2, 4) mesh, saved."""
+  import optax
+  from autoddl_jax import models
+  from helpers import make_mesh
+  ex = models.mlp(optimizer=optax.adam(1e-2))
+  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER)
+  path = tmp_path / "plan.json"
+  plan.save(path)
+  return ex, path

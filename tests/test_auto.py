@@ -187,16 +187,6 @@ def test_save_load_gives_the_same_shardings_and_numbers(tmp_path):
   assert not [p for p in tmp_path.iterdir() if p.name != "plan.json"]
 
 
-@pytest.fixture
-def saved(tmp_path):
-  ex = _mlp_step()
-  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
-                 cluster=TEST_CLUSTER)
-  path = tmp_path / "plan.json"
-  plan.save(path)
-  return ex, path
-
-
 def test_load_against_another_program_says_what_differs(saved):
   ex, path = saved
   other = __import__("autoddl_jax").models.mlp(batch=64,

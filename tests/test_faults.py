@@ -18,7 +18,6 @@ import autoddl_jax as ad
 from autoddl_jax import models
 from conftest import TEST_CLUSTER
 from helpers import assert_tree_close, make_mesh, rel_err
-from test_auto import saved  # noqa: F401 (the saved-plan fixture)
 
 
 def _auto_mesh(shape=(2, 4)):
