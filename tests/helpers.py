@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import jax
+from flax import nnx
 from jax.sharding import AxisType
 
 from autoddl_jax import models
@@ -31,6 +32,17 @@ def build(name: str, **kw) -> models.Example:
   if name == "moe":
     return models.moe(**kw)
   raise ValueError(name)
+
+
+class NnxMlp(nnx.Module):
+  """A two-layer flax.nnx MLP, 32 -> 64 -> 8, for the nnx step tests."""
+
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(32, 64, rngs=rngs)
+    self.l2 = nnx.Linear(64, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.relu(self.l1(x)))
 
 
 def rel_err(a, b) -> float:

@@ -11,7 +11,7 @@ from flax.training import train_state
 
 import autoddl_jax as ad
 from conftest import TEST_CLUSTER
-from helpers import make_mesh, rel_err
+from helpers import NnxMlp as Mlp, make_mesh, rel_err
 
 OPTIMIZERS = {"adam": lambda: optax.adam(1e-2), "adamw": lambda: optax.adamw(
     1e-2, weight_decay=0.1)}
@@ -21,15 +21,6 @@ def _batch(n=16, seed=1):
   k1, k2 = jax.random.split(jax.random.key(seed))
   return {"x": jax.random.normal(k1, (n, 32)),
           "y": jax.random.normal(k2, (n, 8))}
-
-
-class Mlp(nnx.Module):
-  def __init__(self, rngs):
-    self.l1 = nnx.Linear(32, 64, rngs=rngs)
-    self.l2 = nnx.Linear(64, 8, rngs=rngs)
-
-  def __call__(self, x):
-    return self.l2(jax.nn.relu(self.l1(x)))
 
 
 def _mse(model, batch):

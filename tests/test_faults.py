@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import autoddl_jax as ad
 from autoddl_jax import models
 from conftest import TEST_CLUSTER
-from helpers import assert_tree_close, make_mesh, rel_err
+from helpers import NnxMlp, assert_tree_close, make_mesh, rel_err
 
 
 def _auto_mesh(shape=(2, 4)):
@@ -51,18 +51,9 @@ def test_planned_step_called_with_other_shapes_raises_not_replays():
 
 
 # -------------------------------------------- 2: nnx in place through plan
-class _Mlp(nnx.Module):
-  def __init__(self, rngs):
-    self.l1 = nnx.Linear(32, 64, rngs=rngs)
-    self.l2 = nnx.Linear(64, 8, rngs=rngs)
-
-  def __call__(self, x):
-    return self.l2(jax.nn.relu(self.l1(x)))
-
-
 def test_nnx_in_place_step_through_plan_updates_the_objects():
   def make():
-    model = _Mlp(nnx.Rngs(0))
+    model = NnxMlp(nnx.Rngs(0))
     return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
 
   def step(model, optimizer, batch):
