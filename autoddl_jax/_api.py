@@ -138,6 +138,10 @@ def _in_place(fn: Callable, nodes: tuple[int, ...], nargs: int) -> Callable:
   return step
 
 
+# Python scalars: traced as weak-typed scalars and kept replicated.
+PY_SCALAR = (bool, int, float, complex)
+
+
 def _key_tokens(path) -> tuple[str, ...]:
   out = []
   for k in path:
@@ -160,7 +164,7 @@ def _abstract_leaf(path, x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype), getattr(x, "sharding", None)
   if isinstance(x, np.ndarray | np.generic):
     return jax.ShapeDtypeStruct(x.shape, x.dtype), None
-  if isinstance(x, bool | int | float | complex):
+  if isinstance(x, PY_SCALAR):
     return x, None  # traced as a weak-typed scalar, kept replicated
   raise TypeError(
       f"argument leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}; "

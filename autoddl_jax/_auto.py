@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autoddl_jax._api import Plan, static_argnums, is_nnx_node
+from autoddl_jax._api import PY_SCALAR, Plan, is_nnx_node, static_argnums
 from autoddl_jax._api import plan as make_plan
 from autoddl_jax._cluster import Cluster, parse_bytes
 
@@ -21,8 +21,7 @@ def _signature(args) -> Any:
   # Python scalars sign as the arrays they become (a TrainState's step is 0,
   # then an int32 array). Other leaves are refused when the step is planned.
   def sign(x):
-    if not hasattr(x, "shape") and not isinstance(x, bool | int | float |
-                                                  complex):
+    if not hasattr(x, "shape") and not isinstance(x, PY_SCALAR):
       return type(x).__name__, repr(x)
     return tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x))
   return tree, tuple(sign(x) for x in leaves)
@@ -36,7 +35,7 @@ def _abstract(x: Any, mesh: Mesh) -> Any:
       mesh.shape_tuple:
     s = None
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    if not isinstance(x, bool | int | float | complex):
+    if not isinstance(x, PY_SCALAR):
       return x  # not an array: the planner's tracing says what to do
     x = jax.numpy.asarray(x)
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)

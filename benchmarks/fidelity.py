@@ -49,6 +49,7 @@ from autoddl_jax._verify import compare_compiled, compile_plan  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402
+from compare import _xla_seconds  # noqa: E402 (XLA's score, as compare.py)
 
 _BASE = dataclasses.replace(ad.H100_NODE, peak_flops=400e12,
                             flops_efficiency=1.0)
@@ -78,8 +79,7 @@ def textbook_shardings(plan: ad.Plan, kind: str):
 
 def score(plan: ad.Plan, cluster: ad.Cluster) -> dict:
   v = compare_compiled(plan, *compile_plan(plan))
-  xla_s = (v.xla_flops or 0.0) / (cluster.peak_flops *
-                                  cluster.flops_efficiency) + v.emitted_comm_s
+  xla_s = _xla_seconds(v.xla_flops or 0.0, v.emitted_comm_s, cluster)
   return dict(pred_ms=plan.cost.time_s * 1e3, xla_ms=xla_s * 1e3,
               by_kind=v.by_kind, flops=(v.predicted_flops_loops_once,
                                         v.xla_flops or float("nan")),
