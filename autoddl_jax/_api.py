@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 from autoddl_jax import _lower, _search
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
 from autoddl_jax._cluster import parse_bytes
-from autoddl_jax._cost import one_axis
+from autoddl_jax._cost import one_axis, transition_states
 from autoddl_jax._graph import OpGraph, build_graph, repeat_groups
 from autoddl_jax._problem import Evaluation, Problem
 from autoddl_jax._sbp import B_CODE as B, NdSbp, codes_to_spec, nd_repr
@@ -423,8 +423,19 @@ class Plan:
         if t is None:
           continue
         want = prob.cands[oid][k][s]
-        if want != produced.get(t) and splits(want):
-          inputs[(ctx, s)] = want
+        have = produced.get(t)
+        if want == have or not splits(want):
+          continue
+        if have is None:
+          inputs[(ctx, s)] = (want,)
+          continue
+        # Staged: every layout of the cost model's path, so that XLA takes
+        # the path the plan was costed by (a multi-axis reshard left to XLA
+        # is often replicate-then-slice; benchmarks/transitions.py).
+        aval = g.tensors[t].aval
+        path = transition_states(have, want, g.tensors[t].nbytes,
+                                 tuple(aval.shape), self.mesh_info)
+        inputs[(ctx, s)] = tuple(c for c in path if splits(c)) or (want,)
     return _lower.Pins(mesh, outputs, inputs, bodies)
 
   def jit(self, *, pin_inputs: bool = True, **jit_kwargs) -> Any:
@@ -515,7 +526,8 @@ class Plan:
     """Every resharding the plan implies: tensor, from, to, bytes, time."""
     prob, g = self.problem, self.graph
     out = []
-    for e in prob.edges:
+    for i in prob.distinct_reshards(self.choice):
+      e = prob.edges[i]
       kp, kc = self.choice[e.prod], self.choice[e.cons]
       t = float(prob.edge_pair(e, kp, kc))
       if t <= 0:

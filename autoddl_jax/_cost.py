@@ -95,22 +95,83 @@ def split_factor(codes: Sequence[int], sizes: Sequence[int]) -> int:
   return math.prod(s for c, s in zip(codes, sizes) if c >= 0)
 
 
-def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None):
+def _out_of_order(cur: Sequence[int], a: int, src: int, dst: int) -> bool:
+  """Whether a one-axis move on mesh axis ``a`` breaks XLA's tile order.
+
+  A dim split over several mesh axes is tiled mesh-major (the spec lists
+  them in mesh order), so only its minor-most axis can be gathered, or added
+  by a local slice, without reordering the blocks: S(0) on ``y`` -> S(0) on
+  ``(x, y)`` of an (x, y) mesh is not a slice of what each device holds, and
+  XLA moves every block with a collective-permute (measured,
+  ``benchmarks/transitions.py``)."""
+  later = cur[a + 1:]
+  return (src >= 0 and src in later) or (dst >= 0 and dst in later)
+
+
+def _wide_all_to_all(cur: Sequence[int], a: int, src: int, dst: int
+                     ) -> tuple[int, ...]:
+  """The mesh axes XLA's all-to-all spans when S(src) -> S(dst) on axis
+  ``a`` leaves another axis on dim ``src`` and dim ``dst`` is split already:
+  ``a`` and the axes on ``dst`` (measured on 3-axis meshes; otherwise ``()``,
+  the all-to-all is over ``a`` alone)."""
+  if src < 0 or dst < 0 or src == dst:
+    return ()
+  others = [b for b in range(len(cur)) if b != a]
+  on_dst = tuple(b for b in others if cur[b] == dst)
+  if on_dst and any(cur[b] == src for b in others):
+    return tuple(sorted((a, *on_dst)))
+  return ()
+
+
+def _all_to_all_over(axes: Sequence[int], local: float, mi: MeshInfo
+                     ) -> tuple[float, float]:
+  """(time, bytes per device) of an all-to-all of ``local`` bytes per device
+  over the joint group of ``axes``, at the slowest of their links."""
+  p = math.prod(mi.axis_sizes[x] for x in axes)
+  b = (p - 1) / p * local
+  return (max(mi.alpha[x] for x in axes) * (p - 1)
+          + b / min(mi.beta[x] for x in axes)), b
+
+
+def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None,
+               states=None):
+  """(time, bytes) of taking ``src`` to ``dst`` one mesh axis at a time in
+  ``order``; INF where XLA would not do it that way: a partial sum is reduced
+  before anything else moves (it cannot be pinned, so XLA reduces it where
+  the first constraint after it stands), and every intermediate must divide.
+  A move against the tile order (:func:`_out_of_order`) pays the
+  collective-permute XLA adds: each device's smaller block once."""
   cur = list(src)
   t = b = 0.0
+  moved = False
   for a in order:
-    other = math.prod(s for i, (c, s) in enumerate(zip(cur, mi.axis_sizes))
+    s, d = cur[a], dst[a]
+    if s == P and moved:
+      return INF, INF
+    other = math.prod(sz for i, (c, sz) in enumerate(zip(cur, mi.axis_sizes))
                       if i != a and c >= 0)
-    dt, db, kind = one_axis(cur[a], dst[a], nbytes / other, mi.axis_sizes[a],
-                            mi.alpha[a], mi.beta[a])
-    if cur[a] >= 0 and dst[a] == P:  # S -> P goes through B
-      dt, db, kind = one_axis(cur[a], B, nbytes / other, mi.axis_sizes[a],
-                              mi.alpha[a], mi.beta[a])
+    n = nbytes / other
+    dt, db, kind = one_axis(s, B if (s >= 0 and d == P) else d, n,
+                            mi.axis_sizes[a], mi.alpha[a], mi.beta[a])
+    before = nbytes / split_factor(cur, mi.axis_sizes)
+    group = _wide_all_to_all(cur, a, s, d)
+    if group:
+      dt, db = _all_to_all_over(group, before, mi)
     if steps is not None and db > 0:
-      steps.append((kind, a, db))
-    cur[a] = dst[a]
+      steps.append((kind, group or a, db))
+    permute = s != P and s != d and _out_of_order(cur, a, s, d)
+    cur[a] = d
     if not splits_divide(cur, shape, mi.axis_sizes):
       return INF, INF
+    if permute:
+      pb = min(before, nbytes / split_factor(cur, mi.axis_sizes))
+      dt += mi.alpha[a] + pb / mi.beta[a]
+      db += pb
+      if steps is not None:
+        steps.append(("collective-permute", a, pb))
+    if states is not None:
+      states.append(tuple(cur))
+    moved = moved or (s != P and s != d)
     t += dt
     b += db
   return t, b
@@ -139,38 +200,41 @@ Step = tuple[str, "int | tuple[int, ...]", float]
 
 def _cheapest_path(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
                    shape: tuple[int, ...], mi: MeshInfo
-                   ) -> tuple[float, float, list[Step]]:
-  """(time, bytes per device, steps) of the cheapest way from ``src`` to
-  ``dst``: a joint all-reduce first for partials on several axes (see
-  :func:`joint_all_reduce`), then the cheapest order of one-axis steps; if
-  every order passes through a split that does not divide, by way of
-  replicated (always valid: gather, then slice or zero locally)."""
+                   ) -> tuple[float, float, list[Step], list[tuple[int, ...]]]:
+  """(time, bytes per device, steps, states) of the cheapest way from
+  ``src`` to ``dst``: a joint all-reduce first for partials on several axes
+  (see :func:`joint_all_reduce`), then the cheapest order of one-axis moves
+  (:func:`_path_cost`); if every order passes through a split that does not
+  divide, by way of replicated (always valid: gather, then slice or zero
+  locally). ``states`` are the layouts after each move, ``dst`` last: the
+  lowering pins them in turn so that XLA takes this path."""
   if src == dst:
-    return 0.0, 0.0, []
+    return 0.0, 0.0, [], []
   joint = joint_all_reduce(src, dst, nbytes, mi)
   if joint is not None:  # XLA reduces such partials together: cost that
     axes, jt, jb, mid = joint
-    t, b, steps = _cheapest_path(mid, dst, nbytes, shape, mi)
-    return jt + t, jb + b, [("all-reduce", axes, jb), *steps]
+    t, b, steps, states = _cheapest_path(mid, dst, nbytes, shape, mi)
+    return jt + t, jb + b, [("all-reduce", axes, jb), *steps], [mid, *states]
   diff = [a for a in range(len(src)) if src[a] != dst[a]]
-  best: tuple[float, float, list[Step]] = (INF, INF, [])
+  best: tuple[float, float, list[Step], list] = (INF, INF, [], [])
   for order in itertools.permutations(diff):
     steps: list[Step] = []
-    t, b = _path_cost(src, dst, order, nbytes, shape, mi, steps)
+    states: list[tuple[int, ...]] = []
+    t, b = _path_cost(src, dst, order, nbytes, shape, mi, steps, states)
     if t < best[0]:
-      best = (t, b, steps)
+      best = (t, b, steps, states)
   if best[0] == INF:
     mid = tuple(B for _ in src)
-    t1, b1, s1 = _cheapest_path(src, mid, nbytes, shape, mi)
-    t2, b2, s2 = _cheapest_path(mid, dst, nbytes, shape, mi)
-    best = (t1 + t2, b1 + b2, s1 + s2)
+    t1, b1, s1, q1 = _cheapest_path(src, mid, nbytes, shape, mi)
+    t2, b2, s2, q2 = _cheapest_path(mid, dst, nbytes, shape, mi)
+    best = (t1 + t2, b1 + b2, s1 + s2, q1 + q2)
   return best
 
 
 def transition(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
                shape: tuple[int, ...], mi: MeshInfo) -> tuple[float, float]:
   """(time, bytes per device) of the cheapest path (:func:`_cheapest_path`)."""
-  t, b, _ = _cheapest_path(src, dst, nbytes, shape, mi)
+  t, b, _, _ = _cheapest_path(src, dst, nbytes, shape, mi)
   return t, b
 
 
@@ -180,6 +244,14 @@ def transition_steps(src: tuple[int, ...], dst: tuple[int, ...],
   """The collectives of the path :func:`transition` costs: (kind, mesh axis
   or axes, bytes sent per device) per step."""
   return _cheapest_path(src, dst, nbytes, shape, mi)[2]
+
+
+def transition_states(src: tuple[int, ...], dst: tuple[int, ...],
+                      nbytes: float, shape: tuple[int, ...],
+                      mi: MeshInfo) -> list[tuple[int, ...]]:
+  """The layouts the path of :func:`transition` passes through, ``dst``
+  last (``[]`` when ``src == dst``)."""
+  return _cheapest_path(src, dst, nbytes, shape, mi)[3]
 
 
 def _one_axis_vec(s, d, n, p, alpha, beta):
@@ -240,45 +312,76 @@ class StateSpace:
     best_b = np.full((n, n), INF)
     src = np.broadcast_to(st[:, None, :], (n, n, n_axes))
     dst = np.broadcast_to(st[None, :, :], (n, n, n_axes))
+    split_all = lambda c: np.where(c >= 0, sizes, 1.0).prod(axis=-1)  # noqa
     for order in itertools.permutations(range(n_axes)):
       cur = src.copy()
       t = np.zeros((n, n))
       b = np.zeros((n, n))
       ok = np.ones((n, n), dtype=bool)
+      moved = np.zeros((n, n), dtype=bool)
       for a in order:
+        s_, d_ = cur[..., a].copy(), dst[..., a]
+        ok &= ~((s_ == P) & (s_ != d_) & moved)  # partials reduce first
         split_other = np.where((cur >= 0) & (np.arange(n_axes) != a),
                                sizes, 1.0).prod(axis=-1)
         nb = self.nbytes / split_other
-        s_, d_ = cur[..., a], dst[..., a]
         dt, db = _one_axis_vec(s_, d_, nb, int(sizes[a]), mi.alpha[a],
                                mi.beta[a])
-        t += dt
-        b += db
+        before = self.nbytes / split_all(cur)
+        # All-to-alls XLA widens over the target dim's axes
+        # (_wide_all_to_all), grouped by the axes they span.
+        others = np.arange(n_axes) != a
+        on_dst = (cur == d_[..., None]) & others
+        wide = ((s_ >= 0) & (d_ >= 0) & (s_ != d_) & on_dst.any(-1)
+                & ((cur == s_[..., None]) & others).any(-1))
+        if wide.any():
+          code = (on_dst * (1 << np.arange(n_axes))).sum(-1) | (1 << a)
+          for m in np.unique(code[wide]):
+            axes = [x for x in range(n_axes) if m >> x & 1]
+            sel = wide & (code == m)
+            wt, wb = _all_to_all_over(axes, before, mi)
+            dt = np.where(sel, wt, dt)
+            db = np.where(sel, wb, db)
+        # Moves against the tile order pay XLA's collective-permute.
+        later = cur[..., a + 1:]
+        mov = (s_ != d_) & (s_ != P)
+        bad_order = mov & (((s_ >= 0) & (later == s_[..., None]).any(-1)) |
+                           ((d_ >= 0) & (later == d_[..., None]).any(-1)))
         cur[..., a] = d_
+        after = self.nbytes / split_all(cur)
+        pb = np.minimum(before, after)
+        t += dt + np.where(bad_order, mi.alpha[a] + pb / mi.beta[a], 0.0)
+        b += db + np.where(bad_order, pb, 0.0)
+        moved |= mov
         ok &= _divides_vec(cur, shape, sizes)
       better = ok & (t < best_t)
       best_t = np.where(better, t, best_t)
       best_b = np.where(better, b, best_b)
+    # Partial on several axes -> replicated on them: XLA emits one joint
+    # all-reduce, then the rest of the way (few pairs: only sources with two
+    # or more P axes). The way to replicated first: the fallback below goes
+    # through it.
+    rep = self.index[tuple(B for _ in range(n_axes))]
+    multi_p = [i for i, st_ in enumerate(self.states)
+               if sum(c == P for c in st_) >= 2]
+
+    def joint_fix(cols):
+      for i in multi_p:
+        for j in cols:
+          joint = joint_all_reduce(self.states[i], self.states[j],
+                                   self.nbytes, mi)
+          if joint is not None:
+            k = self.index[joint[3]]
+            best_t[i, j] = joint[1] + best_t[k, j]
+            best_b[i, j] = joint[2] + best_b[k, j]
+
+    joint_fix([rep])
     # No order keeps every step divisible: gather to replicated, then slice.
     bad = ~np.isfinite(best_t)
     if bad.any():
-      rep = self.index[tuple(B for _ in range(n_axes))]
       best_t = np.where(bad, best_t[:, rep][:, None], best_t)
       best_b = np.where(bad, best_b[:, rep][:, None], best_b)
-    # Partial on several axes -> replicated on them: XLA emits one joint
-    # all-reduce, then the rest of the way (few pairs: only sources with two
-    # or more P axes).
-    for i, src_state in enumerate(self.states):
-      if sum(c == P for c in src_state) < 2:
-        continue
-      for j, dst_state in enumerate(self.states):
-        joint = joint_all_reduce(src_state, dst_state, self.nbytes, mi)
-        if joint is None:
-          continue
-        _, jt, jb, mid = joint
-        k = self.index[mid]
-        best_t[i, j] = jt + best_t[k, j]
-        best_b[i, j] = jb + best_b[k, j]
+    joint_fix(range(n))
     np.fill_diagonal(best_t, 0.0)
     np.fill_diagonal(best_b, 0.0)
     self._time, self._bytes = best_t, best_b

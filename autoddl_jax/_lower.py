@@ -39,7 +39,10 @@ class Pins:
                inputs: Mapping[tuple, Codes], bodies: Mapping[tuple, Codes]):
     self.mesh = mesh
     self.outputs = outputs  # (ctx, var) -> codes
-    self.inputs = inputs  # (ctx + (eqn index,), operand position) -> codes
+    # (ctx + (eqn index,), operand position) -> the layouts of the reshard,
+    # in order: a multi-axis reshard is staged one mesh axis at a time, as
+    # the cost model charged it.
+    self.inputs = inputs
     self.bodies = bodies  # (ctx, invar) of a loop/branch body -> codes
 
   def constrain(self, x, codes: Codes | None):
@@ -47,6 +50,11 @@ class Pins:
       return x
     spec = codes_to_spec(codes, len(x.shape), self.mesh.axis_names)
     return lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def constrain_path(self, x, path: Sequence[Codes] | None):
+    for codes in path or ():
+      x = self.constrain(x, codes)
+    return x
 
 
 def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
@@ -63,7 +71,7 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
   for i, eqn in enumerate(jaxpr.eqns):
     sub = ctx + (i,)
     invals = [read(v) for v in eqn.invars]
-    invals = [pins.constrain(x, pins.inputs.get((sub, j)))
+    invals = [pins.constrain_path(x, pins.inputs.get((sub, j)))
               for j, x in enumerate(invals)]
     name = eqn.primitive.name
     if name in INLINE:

@@ -213,6 +213,7 @@ class Problem:
     es = np.array(e_space, dtype=np.int64)
     t_off = np.array(t_off, dtype=np.int64)
     t_n = np.array(t_n, dtype=np.int64)
+    self.e_tensor = np.array([e.tensor for e in self.edges], dtype=np.int64)
     self.e_prod = np.array([e.prod for e in self.edges], dtype=np.int64)
     self.e_cons = np.array([e.cons for e in self.edges], dtype=np.int64)
     self.e_w = np.array([e.weight for e in self.edges])
@@ -240,11 +241,24 @@ class Problem:
     return e.weight * m[self.slot_idx[e.prod][e.prod_slot][kp],
                         self.slot_idx[e.cons][e.cons_slot][kc]]
 
+  def distinct_reshards(self, choice) -> np.ndarray:
+    """Indices of the edges that are reshards XLA runs: consumers of one
+    tensor that want the same layout (at the same trip count) share one
+    reshard -- XLA's partitioner caches it -- so only the first is kept.
+    The search's pairwise objective charges each edge: an upper bound."""
+    choice = np.asarray(choice, dtype=np.int64)
+    sc = self.cand_state[self.e_coff + choice[self.e_cons]]
+    keys = np.stack([self.e_tensor, sc, self.e_w]) if len(sc) else \
+        np.zeros((3, 0))
+    _, first = np.unique(keys, axis=1, return_index=True)
+    return np.sort(first)
+
   def evaluate(self, choice: Sequence[int]) -> Evaluation:
     ch = np.asarray(choice, dtype=np.int64)
     compute = float(self.compute_flat[self.node_off + ch].sum())
-    comm = float(self.edge_costs(ch).sum())
-    comm_b = float(self.edge_costs(ch, "bytes").sum())
+    keep = self.distinct_reshards(ch)
+    comm = float(self.edge_costs(ch)[keep].sum())
+    comm_b = float(self.edge_costs(ch, "bytes")[keep].sum())
     return Evaluation(compute + comm, compute, comm, comm_b,
                       self.peak_memory(choice))
 

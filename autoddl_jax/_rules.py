@@ -343,6 +343,19 @@ def _conv(ins, outs, params):
   if not groups and not bgroups:
     rf[rhs_spec[0]] = of[out_spec[1]] = "o"
     lf[lhs_spec[1]] = rf[rhs_spec[1]] = "c"
+  # A patch embedding (window == stride, no padding or dilation) maps each
+  # block of the input's spatial dim to one of the output's: split together,
+  # every device convolves its own patches (no halo).
+  strides = params["window_strides"]
+  pads = params["padding"]
+  lhs_dil = params.get("lhs_dilation") or (1,) * len(strides)
+  rhs_dil = params.get("rhs_dilation") or (1,) * len(strides)
+  for i, letter in zip(range(len(strides)), "hwdtuv"):
+    li, ri, oi = lhs_spec[2 + i], rhs_spec[2 + i], out_spec[2 + i]
+    if (ins[1].shape[ri] == strides[i] and tuple(pads[i]) == (0, 0)
+        and lhs_dil[i] == 1 and rhs_dil[i] == 1
+        and ins[0].shape[li] == strides[i] * outs[0].shape[oi]):
+      lf[li] = of[oi] = letter
   return factor_sigs(ins, outs, ["".join(lf), "".join(rf)], ["".join(of)],
                      summed="c")
 

@@ -93,7 +93,8 @@ def predicted_by_kind(plan: Plan) -> dict[str, float]:
   """Predicted bytes per device per step, by collective kind."""
   prob = plan.problem
   out: dict[str, float] = collections.defaultdict(float)
-  for e in prob.edges:
+  for i in prob.distinct_reshards(plan.choice):
+    e = prob.edges[i]
     kp, kc = plan.choice[e.prod], plan.choice[e.cons]
     if prob.edge_pair(e, kp, kc, "bytes") <= 0:
       continue

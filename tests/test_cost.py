@@ -41,10 +41,16 @@ def test_multi_axis_transition_is_the_cheapest_order():
   mi, c = _mi()
   n = 8 * 16 * 4.0
   # (S0, S0) -> (B, B): gather y first (group size n/2) then x, or x first.
+  # Dim 0 is tiled x-major, so gathering x first reorders the blocks: XLA
+  # adds a collective-permute of each device's block (n/8).
   y_then_x = (3 * 1e-6 + 0.75 * (n / 2) / 4e9) + (1e-5 + 0.5 * n / 1e9)
   x_then_y = (1e-5 + 0.5 * (n / 4) / 1e9) + (3 * 1e-6 + 0.75 * n / 4e9)
+  permute = 1e-5 + (n / 8) / 1e9
   t, _ = transition((0, 0), (B, B), n, (8, 16), mi)
-  assert t == pytest.approx(min(y_then_x, x_then_y))
+  assert t == pytest.approx(min(y_then_x, x_then_y + permute))
+  # S(0) on y -> S(0) on (x, y) is no local slice in that tile order.
+  assert transition_steps((B, 0), (0, 0), n, (8, 16), mi) == [
+      ("collective-permute", 0, pytest.approx(n / 8))]
   # One axis differing: the other's split shrinks the group's bytes.
   t, b = transition((0, 1), (0, B), n, (8, 16), mi)
   assert b == pytest.approx(0.75 * n / 2)
@@ -114,7 +120,8 @@ def test_transition_steps_add_up_to_the_transition(shape, mesh):
       _, b = transition(s, d, sp.nbytes, shape, mi)
       assert sum(x for _, _, x in steps) == pytest.approx(b, rel=1e-12)
       kinds.update(k for k, _, _ in steps)
-  assert kinds == {"all-reduce", "reduce-scatter", "all-gather", "all-to-all"}
+  assert kinds == {"all-reduce", "reduce-scatter", "all-gather", "all-to-all",
+                   "collective-permute"}
 
 
 def test_partial_on_two_axes_reduces_in_one_joint_all_reduce():
