@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -22,7 +23,8 @@ from autoddl_jax._cluster import parse_bytes
 from autoddl_jax._cost import one_axis, transition_states
 from autoddl_jax._graph import OpGraph, build_graph, repeat_groups
 from autoddl_jax._problem import Evaluation, Problem
-from autoddl_jax._sbp import B_CODE as B, NdSbp, codes_to_spec, nd_repr
+from autoddl_jax._sbp import B_CODE as B, P_CODE as P, NdSbp, codes_to_spec
+from autoddl_jax._sbp import nd_repr
 from autoddl_jax._sbp import spec_to_codes
 
 if TYPE_CHECKING:
@@ -436,7 +438,45 @@ class Plan:
         path = transition_states(have, want, g.tensors[t].nbytes,
                                  tuple(aval.shape), self.mesh_info)
         inputs[(ctx, s)] = tuple(c for c in path if splits(c)) or (want,)
-    return _lower.Pins(mesh, outputs, inputs, bodies)
+    return _lower.Pins(mesh, outputs, inputs, bodies,
+                       self._local_reductions() if inputs_too else {})
+
+  def _local_reductions(self) -> dict[tuple, Any]:
+    """The ops whose partial-sum results the lowering reduces explicitly
+    (``_lower._local_reduce``): each P result goes to the layout most of its
+    consumers want, by the cost model's path."""
+    g, prob = self.graph, self.problem
+    wants: dict[tuple[int, int], list] = collections.defaultdict(list)
+    for e in prob.edges:
+      wants[(e.prod, e.prod_slot)].append(
+          prob.cands[e.cons][self.choice[e.cons]][e.cons_slot])
+    local = {}
+    for ctx, oid in g.eqn_op.items():
+      op = g.ops[oid]
+      if op.prim not in _lower.LOCAL_REDUCE or None in op.ins:
+        continue
+      cand = prob.cands[oid][self.choice[oid]]
+      ins, outs = cand[:len(op.ins)], cand[len(op.ins):]
+      if any(P in c for c in ins) or not any(P in c for c in outs):
+        continue
+      plans = []
+      for s, (t, codes) in enumerate(zip(op.outs, outs)):
+        w = wants.get((oid, len(op.ins) + s), [])
+        if P not in codes:
+          plans.append(([], codes))
+          continue
+        if not w or any(P in c for c in w):
+          break
+        target = collections.Counter(w).most_common(1)[0][0]
+        aval = g.tensors[t].aval
+        r = _lower.reductions(codes, target, g.tensors[t].nbytes,
+                              tuple(aval.shape), self.mesh_info)
+        if r is None:
+          break
+        plans.append(r)
+      else:
+        local[ctx] = (tuple(ins), tuple(plans))
+    return local
 
   def jit(self, *, pin_inputs: bool = True, **jit_kwargs) -> Any:
     """The planned step as a ``jax.jit`` function (call it, or ``.lower``).

@@ -17,10 +17,21 @@ S -> P             all-gather       (as S -> B, then local)
 =================  ===============  =========================================
 
 Bytes are ring-model bytes *sent per device*. When two nd-SBPs differ on
-several axes, the cost is the cheapest order of one-axis steps -- except that
-a partial sum on several axes becoming replicated on them is one all-reduce
-over their joint group (what XLA emits) at the slowest of their links, then
-the rest of the way.
+several axes, the cost is the cheapest order of one-axis steps (the lowering
+pins each step, so XLA takes the same path), as XLA runs them -- the ground
+truth is ``benchmarks/transitions.py``, every pair of nd-SBPs of rank-2 and
+rank-3 tensors on 1-, 2- and 3-axis meshes compiled alone:
+
+* a partial sum on several axes becoming replicated on them is one
+  all-reduce over their joint group, at the slowest of their links;
+* partial sums are reduced before anything moves except free slices;
+* a dim split over several axes is tiled mesh-major, so only its minor-most
+  axis is gathered or sliced in place: a move against that order pays the
+  collective-permute XLA adds (each device's smaller block; once, at the
+  end, while partial sums are being reduced);
+* an all-to-all that leaves another axis on its source dim, into a dim
+  split already, spans that dim's axes too (XLA's grouping on 3-axis
+  meshes).
 
 Compute is the op's FLOPs divided by the product of the sizes of the axes on
 which its signature splits something (a replicated or partial-only op does the
@@ -137,13 +148,14 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None,
                states=None):
   """(time, bytes) of taking ``src`` to ``dst`` one mesh axis at a time in
   ``order``; INF where XLA would not do it that way: a partial sum is reduced
-  before anything else moves (it cannot be pinned, so XLA reduces it where
-  the first constraint after it stands), and every intermediate must divide.
+  before anything moves but free slices (B -> S on the device; the lowering
+  reduces it right after the op, XLA where the first constraint after it
+  stands), and every intermediate must divide.
   A move against the tile order (:func:`_out_of_order`) pays the
   collective-permute XLA adds: each device's smaller block once."""
   cur = list(src)
   t = b = 0.0
-  moved = False
+  moved = disordered = False
   for a in order:
     s, d = cur[a], dst[a]
     if s == P and moved:
@@ -159,19 +171,30 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None,
       dt, db = _all_to_all_over(group, before, mi)
     if steps is not None and db > 0:
       steps.append((kind, group or a, db))
-    permute = s != P and s != d and _out_of_order(cur, a, s, d)
+    permute = s != d and _out_of_order(cur, a, s, d)
+    reducing = P in cur
     cur[a] = d
     if not splits_divide(cur, shape, mi.axis_sizes):
       return INF, INF
-    if permute:
-      pb = min(before, nbytes / split_factor(cur, mi.axis_sizes))
+    after = nbytes / split_factor(cur, mi.axis_sizes)
+    # While partial sums are reduced (on the device, then scattered), tiles
+    # out of mesh order are put right by one permute of the blocks at the
+    # end; after that, each move against the order pays its own.
+    pb = 0.0
+    if reducing:
+      disordered = disordered or permute
+      if disordered and P not in cur:
+        pb, disordered = after, False
+    elif permute:
+      pb = min(before, after)
+    if pb:
       dt += mi.alpha[a] + pb / mi.beta[a]
       db += pb
       if steps is not None:
         steps.append(("collective-permute", a, pb))
     if states is not None:
       states.append(tuple(cur))
-    moved = moved or (s != P and s != d)
+    moved = moved or (s not in (P, B) and s != d)
     t += dt
     b += db
   return t, b
@@ -319,6 +342,7 @@ class StateSpace:
       b = np.zeros((n, n))
       ok = np.ones((n, n), dtype=bool)
       moved = np.zeros((n, n), dtype=bool)
+      disordered = np.zeros((n, n), dtype=bool)
       for a in order:
         s_, d_ = cur[..., a].copy(), dst[..., a]
         ok &= ~((s_ == P) & (s_ != d_) & moved)  # partials reduce first
@@ -344,14 +368,21 @@ class StateSpace:
             db = np.where(sel, wb, db)
         # Moves against the tile order pay XLA's collective-permute.
         later = cur[..., a + 1:]
-        mov = (s_ != d_) & (s_ != P)
-        bad_order = mov & (((s_ >= 0) & (later == s_[..., None]).any(-1)) |
-                           ((d_ >= 0) & (later == d_[..., None]).any(-1)))
+        mov = (s_ != d_) & (s_ != P) & (s_ != B)
+        bad_order = (s_ != d_) & (
+            ((s_ >= 0) & (later == s_[..., None]).any(-1)) |
+            ((d_ >= 0) & (later == d_[..., None]).any(-1)))
+        reducing = (cur == P).any(-1)
         cur[..., a] = d_
         after = self.nbytes / split_all(cur)
-        pb = np.minimum(before, after)
-        t += dt + np.where(bad_order, mi.alpha[a] + pb / mi.beta[a], 0.0)
-        b += db + np.where(bad_order, pb, 0.0)
+        # As _path_cost: one permute at the end of reducing partial sums.
+        disordered |= reducing & bad_order
+        done = reducing & disordered & ~(cur == P).any(-1)
+        pb = np.where(reducing, np.where(done, after, 0.0),
+                      np.where(bad_order, np.minimum(before, after), 0.0))
+        disordered &= ~done
+        t += dt + np.where(pb > 0, mi.alpha[a] + pb / mi.beta[a], 0.0)
+        b += db + pb
         moved |= mov
         ok &= _divides_vec(cur, shape, sizes)
       better = ok & (t < best_t)

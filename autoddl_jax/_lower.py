@@ -5,10 +5,25 @@ The plan fixes an nd-SBP for every tensor. Arguments and results become the
 traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
 
 * each op's output to the nd-SBP its chosen signature produces (skipped for
-  ``P``: partial sums cannot be pinned on Auto axes, and XLA keeps them
-  implicit until the consumer forces the reduction), and
+  ``P``: partial sums cannot be pinned on Auto axes), and
 * each op's input, where the plan says that consumer needs a different layout
-  than its producer made (this is where the plan's collectives happen).
+  than its producer made (this is where the plan's collectives happen). A
+  reshard that moves several mesh axes is *staged*: every layout of the cost
+  model's path (``_cost.transition_states``) is pinned in turn, one mesh axis
+  at a time. Left to XLA as one constraint, such a reshard is often a full
+  all-gather and a slice ("Involuntary full rematerialization"), many times
+  the bytes the plan costed (``benchmarks/transitions.py``: on a (2, 4) mesh
+  79 of 135 rank-2 reshards matched the model unstaged, 135 staged).
+* ops whose results are partial sums (``dot_general``, convolutions,
+  ``reduce_sum``: :data:`LOCAL_REDUCE`) run on each device's blocks inside
+  ``shard_map`` and are reduced there, with ``psum``/``psum_scatter`` (and
+  free slices) toward the layout most of their consumers want, along the
+  model's path. Left implicit, XLA's dot partitioner picks where and how to
+  reduce -- often an all-reduce and a collective-permute where the plan
+  costed a reduce-scatter.
+
+Where the plan and XLA's propagation would agree anyway, the pins cost
+nothing: XLA drops constraints that match what it had.
 
 Scan, cond and while bodies are rebuilt with ``lax.scan``/``lax.switch``/
 ``lax.while_loop`` around the same interpreter, so the layers in a scan are
@@ -24,20 +39,33 @@ from typing import Any
 import jax
 from jax import lax
 from jax.extend import core as jcore
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autoddl_jax._cost import transition_states
 from autoddl_jax._graph import INLINE, _closed, _sub_jaxpr
-from autoddl_jax._sbp import codes_to_spec
+from autoddl_jax._sbp import B_CODE, P_CODE, codes_to_spec
 
 Codes = tuple[int, ...]
+
+
+# Ops whose partial-sum results are reduced explicitly (their parameters
+# name no shapes, so they bind on local blocks unchanged).
+LOCAL_REDUCE = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
+
+Reduction = tuple[str, tuple[str, ...], "int | None"]
 
 
 class Pins:
   """Where to put constraints: var outputs and per-eqn inputs."""
 
   def __init__(self, mesh: Mesh, outputs: Mapping[tuple, Codes],
-               inputs: Mapping[tuple, Codes], bodies: Mapping[tuple, Codes]):
+               inputs: Mapping[tuple, Codes], bodies: Mapping[tuple, Codes],
+               local: Mapping[tuple, Any] | None = None):
     self.mesh = mesh
+    # ctx + (eqn index,) -> (operand codes, ((reductions, codes after) per
+    # result)): an op whose results are partial sums, run on its local
+    # blocks inside ``shard_map`` and reduced there as the plan says.
+    self.local = local or {}
     self.outputs = outputs  # (ctx, var) -> codes
     # (ctx + (eqn index,), operand position) -> the layouts of the reshard,
     # in order: a multi-axis reshard is staged one mesh axis at a time, as
@@ -82,6 +110,10 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
       outs = _cond(eqn, invals, sub, pins)
     elif name == "while":
       outs = _while(eqn, invals, sub, pins)
+    elif sub in pins.local:
+      outs = _local_reduce(eqn, invals, pins.local[sub], pins.mesh)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
     else:
       outs = _bind(eqn, invals, pins.mesh)
       if not eqn.primitive.multiple_results:
@@ -110,6 +142,88 @@ def _bind(eqn, invals, mesh: Mesh | None = None):
   # mesh, while the planned program runs on its Auto view.
   with ctx, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     return eqn.primitive.bind(*subfuns, *invals, **bp)
+
+
+def reductions(have: Codes, target: Codes, nbytes: float,
+               shape: tuple[int, ...], mi: Any
+               ) -> tuple[list[Reduction], PartitionSpec] | None:
+  """The partial sums of ``have`` reduced toward ``target`` along the cost
+  model's path (``_cost.transition_states``), up to its last reduction:
+  ``("psum", axes, None)``, ``("psum_scatter", (axis,), dim)`` or a free
+  ``("slice", (axis,), dim)`` per step, and the spec of the result (its dims'
+  axes in the order the steps tiled them: a scatter against the mesh order
+  is left for the next constraint to permute, as the model charges it).
+  None where the target keeps a partial sum or the path moves something
+  else first."""
+  names = mi.axis_names
+  cur, steps = tuple(have), []
+  tiles: list[list[str]] = [[] for _ in shape]
+  for a, c in enumerate(have):
+    if c >= 0:
+      tiles[c].append(names[a])
+  for st in transition_states(have, target, nbytes, shape, mi):
+    if P_CODE not in cur:
+      break
+    changed = [a for a in range(len(cur)) if cur[a] != st[a]]
+    if any(cur[a] not in (P_CODE, B_CODE) for a in changed):
+      return None
+    reduce_to_b = [a for a in changed if cur[a] == P_CODE and st[a] == B_CODE]
+    if reduce_to_b:
+      steps.append(("psum", tuple(names[a] for a in reduce_to_b), None))
+    for a in changed:
+      if st[a] >= 0:
+        kind = "psum_scatter" if cur[a] == P_CODE else "slice"
+        steps.append((kind, (names[a],), st[a]))
+        tiles[st[a]].append(names[a])
+      elif a not in reduce_to_b:
+        return None  # B -> P, or P -> P: nothing to write
+    cur = st
+  if P_CODE in cur:
+    return None
+  entries = [None if not t else (t[0] if len(t) == 1 else tuple(t))
+             for t in tiles]
+  return steps, PartitionSpec(*entries)
+
+
+def _local_reduce(eqn, invals, spec, mesh: Mesh):
+  """Binds ``eqn`` on each device's blocks (``shard_map``) and reduces its
+  partial-sum results there with ``psum``/``psum_scatter``: XLA then emits
+  exactly the reduce-scatter or all-reduce the plan costed. (Left implicit,
+  XLA's dot partitioner often all-reduces and permutes instead:
+  ``benchmarks/transitions.py``.)"""
+  in_codes, out_plans = spec
+  names = mesh.axis_names
+  in_specs = tuple(codes_to_spec(c, len(x.shape), names)
+                   for c, x in zip(in_codes, invals))
+  out_specs = tuple(final if isinstance(final, PartitionSpec) else
+                    codes_to_spec(final, len(v.aval.shape), names)
+                    for (_, final), v in zip(out_plans, eqn.outvars))
+  bp = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(bp, tuple):
+    bp = bp[1]
+  bp = dict(bp)
+  if "out_sharding" in bp:
+    bp["out_sharding"] = None  # a local op on a manual mesh
+
+  def body(*xs):
+    r = eqn.primitive.bind(*xs, **bp)
+    rs = list(r) if eqn.primitive.multiple_results else [r]
+    for i, (steps, _) in enumerate(out_plans):
+      for kind, axes, dim in steps:
+        if kind == "psum":
+          rs[i] = lax.psum(rs[i], axes)
+        elif kind == "psum_scatter":
+          rs[i] = lax.psum_scatter(rs[i], axes, scatter_dimension=dim,
+                                   tiled=True)
+        else:  # a slice of a partial sum is the partial sum of the slice
+          n = rs[i].shape[dim] // mesh.shape[axes[0]]
+          rs[i] = lax.dynamic_slice_in_dim(
+              rs[i], lax.axis_index(axes[0]) * n, n, axis=dim)
+    return tuple(rs)
+
+  outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                       out_specs=out_specs, check_vma=False)(*invals)
+  return list(outs) if eqn.primitive.multiple_results else outs[0]
 
 
 def _inline(eqn, invals, ctx, pins):

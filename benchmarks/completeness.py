@@ -83,9 +83,9 @@ def zoo_equations(models, per_prim: int) -> dict[str, list[Any]]:
   out: dict = {}
   for name in models:
     if name == "llama_scan":
-      case = zoo.llama(scan=True, tx=optax.adamw(1e-3))
+      case = zoo.llama(scan=True, tx=optax.adamw(1e-3), abstract=True)
     else:
-      case = zoo.build(name)
+      case = zoo.build(name, abstract=True)
     _walk(jax.make_jaxpr(case.step)(*case.args).jaxpr, out, per_prim)
   return {k: list(v.values()) for k, v in sorted(out.items())}
 

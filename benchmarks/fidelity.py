@@ -41,7 +41,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax._sbp import codes_to_spec  # noqa: E402
@@ -49,7 +49,7 @@ from autoddl_jax._verify import compare_compiled, compile_plan  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402
-from compare import _xla_seconds  # noqa: E402 (XLA's score, as compare.py)
+from compare import _xla_score, _xla_seconds  # noqa: E402 (as compare.py)
 
 _BASE = dataclasses.replace(ad.H100_NODE, peak_flops=400e12,
                             flops_efficiency=1.0)
@@ -86,6 +86,18 @@ def score(plan: ad.Plan, cluster: ad.Cluster) -> dict:
               mem=(v.predicted_memory, v.xla_memory or float("nan")))
 
 
+def _user_dp_ms(case, mesh, plan: ad.Plan, cluster: ad.Cluster) -> float:
+  """XLA's score of the DP shardings compiled as a user writes them."""
+  specs = textbook_shardings(plan, "dp")
+  named = jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs,
+                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+  args = jax.tree.map(
+      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+      case.args, named)
+  compiled = jax.jit(case.step, in_shardings=named).lower(*args).compile()
+  return _xla_score(compiled, mesh, cluster)[0] * 1e3
+
+
 def kendall_tau(a, b) -> float:
   pairs = list(itertools.combinations(range(len(a)), 2))
   s = sum(math.copysign(1, (a[i] - a[j]) * (b[i] - b[j]))
@@ -106,7 +118,7 @@ def main(argv=None):
                                                           "realistic"))
   args = ap.parse_args(argv)
   t0 = time.perf_counter()
-  rows, taus = [], []
+  rows, taus, dp_rows = [], [], []
   for name in args.models.split(","):
     case = zoo.build(name, size=args.size, abstract=True)
     for mkey in args.meshes.split(","):
@@ -121,6 +133,9 @@ def main(argv=None):
                                  in_shardings=textbook_shardings(ours, k),
                                  cluster=cluster) for k in TEXTBOOK}
         plans["autoddl"] = ours
+        dp_rows.append(dict(model=name, mesh=mkey, cluster=ckey,
+                            pred_ms=ours.baseline_cost("dp").time_s * 1e3,
+                            xla_ms=_user_dp_ms(case, mesh, ours, cluster)))
         case_rows = []
         for pname, p in plans.items():
           s = score(p, cluster)
@@ -134,7 +149,18 @@ def main(argv=None):
           r["tau"] = taus[-1]
         rows += case_rows
   _print(rows)
+  print("\nThe data-parallel baseline (baseline_cost('dp')) against XLA's "
+        "program for DP shardings as a user writes them (jax.jit "
+        "in_shardings, XLA propagating the rest):")
+  for r in dp_rows:
+    print(f"  {r['model']:7} mesh {r['mesh']:4} cluster {r['cluster']}: "
+          f"predicted {r['pred_ms']:.4g} ms, XLA {r['xla_ms']:.4g} ms "
+          f"({_ratio(r['pred_ms'], r['xla_ms']):.2f})")
   _summary(rows, taus)
+  ok = sum(abs(_ratio(r["pred_ms"], r["xla_ms"]) - 1) <= 0.15
+           for r in dp_rows)
+  print(f"data-parallel baseline within 15% of XLA's DP in {ok}/"
+        f"{len(dp_rows)} cases")
   print(f"{time.perf_counter() - t0:.0f} s in all; jax {jax.__version__}")
 
 

@@ -36,13 +36,14 @@ if __name__ == "__main__":
   jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax._cluster import mesh_info  # noqa: E402
 from autoddl_jax._cost import (transition_states, transition_steps,  # noqa: E402
                               valid_states)
-from autoddl_jax._lower import Pins  # noqa: E402  # noqa: E402
+from autoddl_jax._lower import Pins, _local_reduce, reductions  # noqa: E402  # noqa: E402
 from autoddl_jax._sbp import P_CODE, codes_to_spec  # noqa: E402
 
 MESHES = {"4": (4,), "8": (8,), "2x4": (2, 4), "4x2": (4, 2),
@@ -76,17 +77,28 @@ def _xla_bytes(mesh, shape, src, dst, path=()) -> dict[str, float]:
     fn = jax.jit(stage, out_shardings=out_sh)
     args = (x,)
   else:
-    # A partial sum on p_axes: contract a dim split over them.
+    # A partial sum on p_axes: contract a dim split over them, lowered as
+    # the planner lowers it (reduced explicitly where it can be).
     k = math.prod(mesh.shape[n] for n in p_axes)
-    no_p = tuple(-1 if c == P_CODE else c for c in src)
-    spec = tuple(codes_to_spec(no_p, len(shape), names)) + (None,) * (
-        len(shape) - len(codes_to_spec(no_p, len(shape), names)))
+    rank = len(shape)
+    a_codes = tuple(rank if c == P_CODE else c for c in src)
+    b_codes = tuple(0 if c == P_CODE else -1 for c in src)
     a = jax.ShapeDtypeStruct(shape + (k,), jnp.float32, sharding=NamedSharding(
-        mesh, PartitionSpec(*spec, p_axes)))
+        mesh, codes_to_spec(a_codes, rank + 1, names)))
     b = jax.ShapeDtypeStruct((k,), jnp.float32, sharding=NamedSharding(
-        mesh, PartitionSpec(p_axes)))
-    fn = jax.jit(lambda u, w: stage(jnp.einsum("...k,k->...", u, w)),
-                 out_shardings=out_sh)
+        mesh, codes_to_spec(b_codes, 1, names)))
+    contract = lambda u, w: lax.dot_general(  # noqa: E731
+        u, w, (((rank,), (0,)), ((), ())))
+    eqn = jax.make_jaxpr(contract)(a, b).jaxpr.eqns[0]
+    mi = mesh_info(mesh, ad.H100_NODE)
+    red = reductions(src, dst, math.prod(shape) * 4, shape, mi) \
+        if path else None
+    if red is not None:
+      spec = ((a_codes, b_codes), (red,))
+      fn = jax.jit(lambda u, w: stage(_local_reduce(eqn, [u, w], spec, mesh)),
+                   out_shardings=out_sh)
+    else:
+      fn = jax.jit(lambda u, w: stage(contract(u, w)), out_shardings=out_sh)
     args = (a, b)
   compiled = fn.lower(*args).compile()
   got: dict[str, float] = collections.defaultdict(float)
