@@ -630,6 +630,9 @@ class Plan:
         ("peak memory", _fmt_bytes(c.memory_bytes),
          _fmt_bytes(dp.memory_bytes))):
       rows.append((name, a, b))
+    mem = self.problem.memory_breakdown(self.choice)
+    for cat, v in mem.items():
+      rows.append((f"  {cat} at the peak", _fmt_bytes(v), ""))
     lines.append(_table(rows))
     if self.search is not None:
       lines.append(f"search: best start {self.search.seed!r}, "

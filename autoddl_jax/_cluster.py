@@ -79,7 +79,10 @@ class Cluster:
   peak_flops: float = 989e12
   # HBM3 of an H100 SXM (80 GiB).
   memory_per_device: float = 80 * 2**30
-  # Fraction of peak that real kernels reach; compute_s = flops / (peak * eff).
+  # The sustained fraction of peak_flops that the step's kernels reach (what
+  # a profiler measures as model FLOPs / peak): compute_s = flops / (peak *
+  # eff), with flops as XLA's cost_analysis counts them (multiply-add = 2;
+  # replicated work counted on every device that does it).
   flops_efficiency: float = 0.5
 
   def __post_init__(self):

@@ -294,6 +294,33 @@ class Problem:
       delta[end + 1] -= b
     return float(np.cumsum(delta).max()) if n else 0.0
 
+  def memory_breakdown(self, choice: Sequence[int]) -> dict[str, float]:
+    """Bytes per device live at the peak, by category: ``arguments`` (the
+    step's inputs: parameters, optimizer state, batch, alive all step),
+    ``results`` (what the step returns: the new state, once produced) and
+    ``intermediates`` (activations, gradients and temporaries between their
+    producer and last use)."""
+    n = len(self.graph.ops)
+    cats = ("arguments", "results", "intermediates")
+    delta = np.zeros((len(cats), n + 1))
+    for tid, p, slot, start, end in self._live:
+      t = self.graph.tensors[tid]
+      sp = state_space(t.aval.shape, t.aval.dtype.itemsize, self.mi)
+      b = sp.local_bytes[self.slot_idx[p][slot][choice[p]]]
+      if self.graph.ops[p].kind == "input":
+        c = 0
+      elif any(self.graph.ops[o].kind == "output" for o, _ in t.consumers):
+        c = 1
+      else:
+        c = 2
+      delta[c, start] += b
+      delta[c, end + 1] -= b
+    if not n:
+      return dict.fromkeys(cats, 0.0)
+    live = np.cumsum(delta, axis=1)
+    at = int(live.sum(axis=0).argmax())
+    return {c: float(live[i, at]) for i, c in enumerate(cats)}
+
   def largest_tensors(self, choice: Sequence[int], k: int = 5):
     out = []
     for tid, p, slot, _, _ in self._live:

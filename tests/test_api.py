@@ -1,5 +1,7 @@
 """The public API: shapes of results, non-array leaves, and every error."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,17 @@ def test_plan_fields_and_explain():
   text = plan.explain()
   assert "0/w0" in text and "PartitionSpec" in text and "nd-SBP" in text
   assert "data parallel" in text
+  # Memory at the peak by category adds up to the peak; the arguments are
+  # every input's block, alive all step.
+  mem = plan.problem.memory_breakdown(plan.choice)
+  assert sum(mem.values()) == pytest.approx(c.memory_bytes)
+  arg_bytes = sum(
+      math.prod(a.shape) * a.dtype.itemsize / math.prod(
+          plan.mesh_info.axis_sizes[i] for i, code in enumerate(
+              plan.problem.cands[o][plan.choice[o]][0]) if code >= 0)
+      for o, a in zip(plan.graph.input_ops, plan._traced.in_avals))
+  assert mem["arguments"] == pytest.approx(arg_bytes)
+  assert "intermediates at the peak" in text
   dp = plan.baseline_cost("dp")
   assert plan.cost.time_s <= dp.time_s * (1 + 1e-9)
   assert plan.user_paths()[0] == "0/b0"
