@@ -418,6 +418,30 @@ class Plan:
       elif prod.kind == "link":
         bodies[(ctx, var)] = codes
     inputs = {}
+    # Operands entering a scan body: the reshard into the body's layout is
+    # staged before the loop (else XLA makes it at the loop's boundary in
+    # one go, often replicating the carry).
+    def staged(t, want):
+      have = produced.get(t)
+      if have is None or want == have or not splits(want):
+        return None
+      aval = g.tensors[t].aval
+      path = transition_states(have, want, g.tensors[t].nbytes,
+                               tuple(aval.shape), self.mesh_info)
+      return tuple(c for c in path if splits(c)) or (want,)
+
+    for ctx, links in (g.entry_links.items() if inputs_too else ()):
+      carry = 0
+      for j, lid in enumerate(links):
+        link = g.ops[lid]
+        path = staged(link.ins[0], prob.cands[lid][self.choice[lid]][0])
+        if path:
+          inputs[(ctx, j)] = path
+        if link.prim == "~merge":  # and the carry's way back, per iteration
+          path = staged(link.ins[1], prob.cands[lid][self.choice[lid]][1])
+          if path:
+            inputs[(ctx, ("carry", carry))] = path
+          carry += 1
     for ctx, oid in (g.eqn_op.items() if inputs_too else ()):
       op = g.ops[oid]
       k = self.choice[oid]

@@ -106,6 +106,10 @@ class OpGraph:
   output_ops: list[int]  # one per flat result leaf
   unsupported: dict[str, int]  # primitive -> number of fallback ops
   eqn_op: dict[tuple, int]  # call context + eqn index -> op id
+  # call context + eqn index of a scan -> the link op each operand enters
+  # the body through (the lowering stages the reshard into it)
+  entry_links: dict[tuple, list[int]] = dataclasses.field(
+      default_factory=dict)
 
 
 def _aval(a) -> Aval:
@@ -160,6 +164,7 @@ class _Builder:
     self.var_tensor: dict = {}
     self.unsupported: dict[str, int] = {}
     self.eqn_op: dict[tuple, int] = {}
+    self.entry_links: dict[tuple, list[int]] = {}
 
   def tensor(self, aval: Aval, name: str) -> int:
     t = Tensor(len(self.tensors), aval, name)
@@ -285,6 +290,9 @@ class _Builder:
       inner = Aval(a.shape[1:], a.dtype)
       xs_in.append(self.link("~scan_xs", t, inner, weight, weight,
                              _slice_sigs(inner.rank)))
+    self.entry_links[ctx] = (
+        [self.tensors[t].producer[0] for t in const_in] + [m.id for m in merges]
+        + [self.tensors[t].producer[0] for t in xs_in])
     cts = [self.const(c, inner_w) for c in body_consts]
     outs = self.walk(body, cts,
                      const_in + [m.outs[0] for m in merges] + xs_in, ctx,
@@ -464,4 +472,4 @@ def build_graph(closed_jaxpr, in_names: Sequence[str],
         "not fast). Please report it.", UnsupportedPrimitiveWarning,
         stacklevel=3)
   return OpGraph(bld.tensors, bld.ops, bld.var_tensor, input_ops, output_ops,
-                 dict(bld.unsupported), bld.eqn_op)
+                 dict(bld.unsupported), bld.eqn_op, bld.entry_links)

@@ -262,7 +262,10 @@ def _scan(eqn, invals, ctx, pins):
   def step(carry, x):
     outs = interpret(body, consts, [*const_in, *carry, *x], ctx, pins,
                      pin_invars=True)
-    return outs[:ncar], outs[ncar:]
+    # The carry goes back to the layout it came in with, staged as costed.
+    new = [pins.constrain_path(c, pins.inputs.get((ctx, ("carry", j))))
+           for j, c in enumerate(outs[:ncar])]
+    return new, outs[ncar:]
 
   kw = {}
   if "_split_transpose" in p:
