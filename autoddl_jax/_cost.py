@@ -205,16 +205,22 @@ def joint_all_reduce(src: Sequence[int], dst: Sequence[int], nbytes: float,
   """A partial sum on several axes made replicated on all of them: XLA emits
   one all-reduce over their joint group, at the slowest of their links (not
   one per axis, which would move the whole tensor once per axis).
+  Free slices the target makes (B -> S on the device, in tile order) come
+  first, so the all-reduce moves the smaller blocks.
   Returns (axes, time, bytes sent per device, state after) or None."""
   axes = tuple(a for a in range(len(src)) if src[a] == P and dst[a] == B)
   if len(axes) < 2:
     return None
+  k = len(src)
+  sliced = [a for a in range(k) if src[a] == B and dst[a] >= 0 and not any(
+      dst[a] in (src[b], dst[b]) for b in range(a + 1, k))]
+  pre = tuple(dst[a] if a in sliced else c for a, c in enumerate(src))
   p = math.prod(mi.axis_sizes[a] for a in axes)
-  n = nbytes / split_factor(src, mi.axis_sizes)
+  n = nbytes / split_factor(pre, mi.axis_sizes)
   frac = (p - 1) / p
   alpha = max(mi.alpha[a] for a in axes)
   beta = min(mi.beta[a] for a in axes)
-  mid = tuple(B if a in axes else c for a, c in enumerate(src))
+  mid = tuple(B if a in axes else c for a, c in enumerate(pre))
   return axes, 2 * alpha * (p - 1) + 2 * frac * n / beta, 2 * frac * n, mid
 
 

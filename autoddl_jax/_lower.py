@@ -168,15 +168,20 @@ def reductions(have: Codes, target: Codes, nbytes: float,
     if any(cur[a] not in (P_CODE, B_CODE) for a in changed):
       return None
     reduce_to_b = [a for a in changed if cur[a] == P_CODE and st[a] == B_CODE]
+    if any(st[a] < 0 and a not in reduce_to_b for a in changed):
+      return None  # B -> P, or P -> P: nothing to write
+    # Slices first (the reduction then moves the smaller blocks), then the
+    # joint all-reduce, then the scatters.
+    for a in changed:
+      if cur[a] == B_CODE:
+        steps.append(("slice", (names[a],), st[a]))
+        tiles[st[a]].append(names[a])
     if reduce_to_b:
       steps.append(("psum", tuple(names[a] for a in reduce_to_b), None))
     for a in changed:
-      if st[a] >= 0:
-        kind = "psum_scatter" if cur[a] == P_CODE else "slice"
-        steps.append((kind, (names[a],), st[a]))
+      if cur[a] == P_CODE and st[a] >= 0:
+        steps.append(("psum_scatter", (names[a],), st[a]))
         tiles[st[a]].append(names[a])
-      elif a not in reduce_to_b:
-        return None  # B -> P, or P -> P: nothing to write
     cur = st
   if P_CODE in cur:
     return None
