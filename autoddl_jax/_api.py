@@ -418,18 +418,25 @@ class Plan:
       elif prod.kind == "link":
         bodies[(ctx, var)] = codes
     inputs = {}
-    # Operands entering a scan body: the reshard into the body's layout is
-    # staged before the loop (else XLA makes it at the loop's boundary in
-    # one go, often replicating the carry).
+
     def staged(t, want):
+      """The layouts to pin, in turn, to take tensor ``t`` to ``want``:
+      every layout of the cost model's path, so that XLA takes the path the
+      plan was costed by (a multi-axis reshard left to XLA is often
+      replicate-then-slice; benchmarks/transitions.py); None if nothing."""
       have = produced.get(t)
-      if have is None or want == have or not splits(want):
+      if want == have or not splits(want):
         return None
+      if have is None:
+        return (want,)
       aval = g.tensors[t].aval
       path = transition_states(have, want, g.tensors[t].nbytes,
                                tuple(aval.shape), self.mesh_info)
       return tuple(c for c in path if splits(c)) or (want,)
 
+    # Operands entering a scan body: the reshard into the body's layout is
+    # staged before the loop (else XLA makes it at the loop's boundary in
+    # one go, often replicating the carry).
     for ctx, links in (g.entry_links.items() if inputs_too else ()):
       carry = 0
       for j, lid in enumerate(links):
@@ -448,20 +455,9 @@ class Plan:
       for s, t in enumerate(op.ins):
         if t is None:
           continue
-        want = prob.cands[oid][k][s]
-        have = produced.get(t)
-        if want == have or not splits(want):
-          continue
-        if have is None:
-          inputs[(ctx, s)] = (want,)
-          continue
-        # Staged: every layout of the cost model's path, so that XLA takes
-        # the path the plan was costed by (a multi-axis reshard left to XLA
-        # is often replicate-then-slice; benchmarks/transitions.py).
-        aval = g.tensors[t].aval
-        path = transition_states(have, want, g.tensors[t].nbytes,
-                                 tuple(aval.shape), self.mesh_info)
-        inputs[(ctx, s)] = tuple(c for c in path if splits(c)) or (want,)
+        path = staged(t, prob.cands[oid][k][s])
+        if path:
+          inputs[(ctx, s)] = path
     return _lower.Pins(mesh, outputs, inputs, bodies,
                        self._local_reductions() if inputs_too else {})
 
