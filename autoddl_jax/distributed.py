@@ -22,6 +22,7 @@ import hashlib
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,9 @@ ENV_COORDINATOR = "AUTODDL_COORDINATOR"
 ENV_NUM_PROCESSES = "AUTODDL_NUM_PROCESSES"
 ENV_PROCESS_ID = "AUTODDL_PROCESS_ID"
 ENV_DEVICES = "AUTODDL_DEVICES_PER_PROC"
+# A folder where a process that raises notes when it did, so the launcher
+# names the process that failed first and not a peer that died of it.
+ENV_FAILURES = "AUTODDL_FAILURE_DIR"
 
 
 class DistributedError(RuntimeError):
@@ -123,6 +127,7 @@ def _exit_at_once_on_uncaught() -> None:
 
   def hook(kind, value, tb):
     try:
+      _note_failure(jax.process_index())
       previous(kind, value, tb)
       print(f"[autoddl_jax] process {jax.process_index()} raised "
             f"{kind.__name__}; exiting now (jax.distributed's shutdown would "
@@ -133,6 +138,21 @@ def _exit_at_once_on_uncaught() -> None:
       os._exit(1)
 
   sys.excepthook = hook
+
+
+def _note_failure(process_id: int) -> None:
+  """Writes this failure's wall-clock time where the launcher looks for it.
+  A peer's own failure is caused by this process's exit (its collectives
+  lose their partner), which comes after this note, so the earliest note is
+  the first failure even when both exits fall in one poll of the launcher."""
+  folder = os.environ.get(ENV_FAILURES)
+  if not folder:
+    return
+  try:
+    with open(os.path.join(folder, str(process_id)), "w") as f:
+      f.write(repr(time.time()))
+  except OSError:  # a note lost only makes the launcher guess by exit order
+    pass
 
 
 def _wait_for(address: str, timeout_s: float, process_id: int) -> None:

@@ -9,7 +9,8 @@ forwarded line by line with a ``[pN]`` prefix.
 
 Every way out is bounded:
 
-* One process fails: the launcher names it and its exit code, stops the
+* One process fails: the launcher names it and its exit code (the first
+  to raise, when a peer dies of its exit in the same moment), stops the
   others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with
   that code. A process that raises after ``ad.distributed.initialize()``
   exits at once (``initialize`` installs an excepthook that skips
@@ -29,11 +30,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from autoddl_jax.distributed import (ENV_COORDINATOR, ENV_DEVICES,
-                                     ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+                                     ENV_FAILURES, ENV_NUM_PROCESSES,
+                                     ENV_PROCESS_ID)
 
 
 def free_port() -> int:
@@ -57,6 +60,20 @@ def _describe(rc: int) -> str:
     except ValueError:
       return f"was killed by signal {-rc}"
   return f"exited with code {rc}"
+
+
+def _first_failure(failed: list[tuple[int, int]], notes: str) -> tuple[int, int]:
+  """The failure to name: of the processes that exited non-zero, the one
+  whose excepthook noted the earliest time (see
+  ``distributed._note_failure``); without notes, the lowest index. Two exits
+  often fall in one poll, since a peer dies of the first one's exit."""
+  def noted(i):
+    try:
+      with open(os.path.join(notes, str(i))) as f:
+        return float(f.read())
+    except (OSError, ValueError):
+      return float("inf")
+  return min(failed, key=lambda f: (noted(f[0]), f[0]))
 
 
 def _stop(procs, grace: float) -> None:
@@ -137,13 +154,14 @@ def launch(script: str, args: list[str], nproc: int, devices_per_proc: int,
   lock = threading.RLock()
   procs, threads = [], []
   start, code = time.monotonic(), 0
-  with _Signals(out, lock, grace) as signals:
+  notes = tempfile.TemporaryDirectory(prefix="autoddl_launch_")
+  with notes, _Signals(out, lock, grace) as signals:
     try:
       for i in range(nproc):
         env = dict(os.environ)
         env.update({ENV_COORDINATOR: addr, ENV_NUM_PROCESSES: str(nproc),
                     ENV_PROCESS_ID: str(i), ENV_DEVICES: str(devices_per_proc),
-                    "PYTHONUNBUFFERED": "1"})
+                    ENV_FAILURES: notes.name, "PYTHONUNBUFFERED": "1"})
         env.setdefault("JAX_PLATFORMS", "cpu")
         p = subprocess.Popen([sys.executable, script, *args], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -157,7 +175,7 @@ def launch(script: str, args: list[str], nproc: int, devices_per_proc: int,
         rcs = [p.poll() for p in procs]
         failed = [(i, rc) for i, rc in enumerate(rcs) if rc not in (None, 0)]
         if failed:
-          i, rc = failed[0]
+          i, rc = _first_failure(failed, notes.name)
           with lock:
             print(f"[launch] process {i} {_describe(rc)}; stopping the "
                   f"others (at most {grace:g} s)", file=out, flush=True)

@@ -236,3 +236,14 @@ def test_process_slice_and_from_local_on_one_process():
   assert part == (slice(0, 16), slice(0, 8))
   g = ad.distributed.from_local(x[part], s, x.shape)
   assert g.sharding == s and np.array_equal(np.asarray(g), x)
+
+
+def test_the_launcher_names_the_first_process_to_raise(tmp_path):
+  # Process 1 raised first (its note is earlier); process 0 died of it in
+  # the same poll, with or without a note of its own (a C++ abort has none).
+  from autoddl_jax.launch import _first_failure
+  (tmp_path / "1").write_text("100.0")
+  assert _first_failure([(0, -6), (1, 1)], str(tmp_path)) == (1, 1)
+  (tmp_path / "0").write_text("100.5")
+  assert _first_failure([(0, 1), (1, 1)], str(tmp_path)) == (1, 1)
+  assert _first_failure([(0, 1), (1, 1)], str(tmp_path / "none")) == (0, 1)
