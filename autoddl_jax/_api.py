@@ -416,7 +416,13 @@ class Plan:
       if prod.kind == "eqn":
         outputs[(ctx, var)] = codes
       elif prod.kind == "link":
+        # A link's tensor is a body's argument (pinned as the body starts)
+        # or a loop's or branch's result (pinned as the loop returns: the
+        # reshard the plan puts at a loop's exit has no other pin, and XLA
+        # left alone moves it elsewhere, e.g. a scatter of the backward
+        # loop's sharded carry and an all-reduce of the whole table).
         bodies[(ctx, var)] = codes
+        outputs[(ctx, var)] = codes
     inputs = {}
 
     def staged(t, want):
@@ -459,44 +465,99 @@ class Plan:
         if path:
           inputs[(ctx, s)] = path
     return _lower.Pins(mesh, outputs, inputs, bodies,
-                       self._local_reductions() if inputs_too else {})
+                       self._regions() if inputs_too else {})
 
-  def _local_reductions(self) -> dict[tuple, Any]:
-    """The ops whose partial-sum results the lowering reduces explicitly
-    (``_lower._local_reduce``): each P result goes to the layout most of its
-    consumers want, by the cost model's path."""
-    g, prob = self.graph, self.problem
-    wants: dict[tuple[int, int], list] = collections.defaultdict(list)
-    for e in prob.edges:
-      wants[(e.prod, e.prod_slot)].append(
-          prob.cands[e.cons][self.choice[e.cons]][e.cons_slot])
-    local = {}
-    for ctx, oid in g.eqn_op.items():
-      op = g.ops[oid]
-      if op.prim not in _lower.LOCAL_REDUCE or None in op.ins:
+  def _regions(self) -> dict[tuple, _lower.Region]:
+    """The partial-sum regions the lowering runs on local blocks
+    (:class:`_lower.Region`): the ops joined by tensors a consumer takes as
+    a partial sum, from the dots that make them to where the plan reduces
+    them. Each result used outside goes to the layout most of its outside
+    consumers want, by the cost model's path. A region the lowering cannot
+    write (an op it cannot run on blocks, a partial sum entering from
+    outside or crossing a loop boundary, a result used before the region's
+    last op) is left to XLA, which then reduces at the op that made it."""
+    g, prob, ch = self.graph, self.problem, self.choice
+    key_of = {oid: key for key, oid in g.eqn_op.items()}
+
+    def codes(oid, slot):
+      return prob.cands[oid][ch[oid]][slot]
+
+    parent: dict[int, int] = {}
+
+    def find(x):
+      while parent.setdefault(x, x) != x:
+        parent[x] = parent[parent[x]]
+        x = parent[x]
+      return x
+
+    for op in g.ops:
+      if op.kind != "eqn":
         continue
-      cand = prob.cands[oid][self.choice[oid]]
-      ins, outs = cand[:len(op.ins)], cand[len(op.ins):]
-      if any(P in c for c in ins) or not any(P in c for c in outs):
-        continue
-      plans = []
-      for s, (t, codes) in enumerate(zip(op.outs, outs)):
-        w = wants.get((oid, len(op.ins) + s), [])
-        if P not in codes:
-          plans.append(([], codes))
+      n_in = len(op.ins)
+      if any(P in codes(op.id, n_in + s) for s in range(len(op.outs))):
+        find(op.id)
+      for j, t in enumerate(op.ins):
+        if t is not None and P in codes(op.id, j):
+          parent[find(op.id)] = find(g.tensors[t].producer[0])
+    comps: dict[int, list[int]] = collections.defaultdict(list)
+    for x in list(parent):
+      comps[find(x)].append(x)
+    regions: dict[tuple, _lower.Region] = {}
+    for ids in comps.values():
+      region = self._region(sorted(ids), key_of, codes)
+      if region is not None:
+        regions.update({k: region for k in region.members})
+    return regions
+
+  def _region(self, ids, key_of, codes) -> _lower.Region | None:
+    g = self.graph
+    members = set(ids)
+    ops = [g.ops[i] for i in ids]
+    if any(o.kind != "eqn" or o.prim not in _lower.REGION_OPS
+           or o.id not in key_of for o in ops):
+      return None
+    if len({key_of[o.id][:-1] for o in ops}) != 1:
+      return None  # members in different jaxprs
+    in_codes, out_codes, reduce = {}, {}, {}
+    for o in ops:
+      key, n_in = key_of[o.id], len(o.ins)
+      for j, t in enumerate(o.ins):
+        if t is None:
           continue
-        if not w or any(P in c for c in w):
-          break
-        target = collections.Counter(w).most_common(1)[0][0]
+        prod, ps = g.tensors[t].producer
+        if prod in members:
+          if codes(o.id, j) != codes(prod, len(g.ops[prod].ins) + ps):
+            return None  # a reshard between two members
+        elif P in codes(o.id, j):
+          return None
+        else:
+          in_codes[(key, j)] = codes(o.id, j)
+      for s, t in enumerate(o.outs):
+        have = codes(o.id, n_in + s)
+        out_codes[(key, s)] = have
+        outside = [(c, cs) for c, cs in g.tensors[t].consumers
+                   if c not in members]
+        if not outside:
+          continue
+        if min(c for c, _ in outside) < ids[-1]:
+          return None  # used before the region's last op runs
+        wants = [codes(c, cs) for c, cs in outside]
+        if any(P in w for w in wants):
+          return None
+        if P not in have:
+          reduce[(key, s)] = ([], have)
+          continue
+        target = collections.Counter(wants).most_common(1)[0][0]
         aval = g.tensors[t].aval
-        r = _lower.reductions(codes, target, g.tensors[t].nbytes,
+        r = _lower.reductions(have, target, g.tensors[t].nbytes,
                               tuple(aval.shape), self.mesh_info)
         if r is None:
-          break
-        plans.append(r)
-      else:
-        local[ctx] = (tuple(ins), tuple(plans))
-    return local
+          return None
+        reduce[(key, s)] = r
+    if not reduce:
+      return None
+    return _lower.Region(tuple(key_of[i] for i in ids), in_codes, out_codes,
+                         reduce)
 
   def jit(self, *, pin_inputs: bool = True, **jit_kwargs) -> Any:
     """The planned step as a ``jax.jit`` function (call it, or ``.lower``).

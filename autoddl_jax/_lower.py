@@ -14,13 +14,20 @@ traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
   all-gather and a slice ("Involuntary full rematerialization"), many times
   the bytes the plan costed (``benchmarks/transitions.py``: on a (2, 4) mesh
   79 of 135 rank-2 reshards matched the model unstaged, 135 staged).
-* ops whose results are partial sums (``dot_general``, convolutions,
-  ``reduce_sum``: :data:`LOCAL_REDUCE`) run on each device's blocks inside
-  ``shard_map`` and are reduced there, with ``psum``/``psum_scatter`` (and
-  free slices) toward the layout most of their consumers want, along the
-  model's path. Left implicit, XLA's dot partitioner picks where and how to
-  reduce -- often an all-reduce and a collective-permute where the plan
-  costed a reduce-scatter.
+* partial sums run in *regions* (:class:`Region`): the ops that make them
+  (``dot_general``, convolutions, ``reduce_sum``: :data:`LOCAL_REDUCE`) and
+  the linear ops the plan carries them through (transpose, reshape, a
+  grouped sum, casts, adds: :data:`REGION_OPS`) run together on each
+  device's blocks inside one ``shard_map``, and each result used outside is
+  reduced there, with ``psum``/``psum_scatter`` (and free slices) toward
+  the layout most of its consumers want, along the model's path. GSPMD has
+  no partial-sum sharding: left implicit, XLA reduces at the dot itself
+  (grouped-query attention's backward: a 384 MiB all-reduce per layer where
+  the plan reduced 4x less after the head-group sum) and its dot
+  partitioner often all-reduces and permutes where the plan costed a
+  reduce-scatter. A region the lowering cannot write is left to XLA.
+* a loop's or branch's results, to the layout the plan gives them: the
+  reshard at a loop's exit has no op of its own.
 
 Where the plan and XLA's propagation would agree anyway, the pins cost
 nothing: XLA drops constraints that match what it had.
@@ -33,6 +40,7 @@ pinned once for every iteration; remat keeps its policy through
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -51,6 +59,13 @@ Codes = tuple[int, ...]
 # Ops whose partial-sum results are reduced explicitly (their parameters
 # name no shapes, so they bind on local blocks unchanged).
 LOCAL_REDUCE = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
+# Ops a partial-sum region (:class:`Region`) may hold besides those: linear
+# in their partial operands, so each device's addend goes through them on
+# its own, and bindable on local blocks (:func:`_bind_local`).
+REGION_OPS = LOCAL_REDUCE | frozenset({
+    "transpose", "reshape", "broadcast_in_dim", "convert_element_type", "neg",
+    "mul", "div", "add", "sub", "add_any", "squeeze", "copy", "copy_p",
+    "select_n", "split", "concatenate", "cumsum"})
 
 Reduction = tuple[str, tuple[str, ...], "int | None"]
 
@@ -60,12 +75,12 @@ class Pins:
 
   def __init__(self, mesh: Mesh, outputs: Mapping[tuple, Codes],
                inputs: Mapping[tuple, Codes], bodies: Mapping[tuple, Codes],
-               local: Mapping[tuple, Any] | None = None):
+               regions: Mapping[tuple, Region] | None = None):
     self.mesh = mesh
-    # ctx + (eqn index,) -> (operand codes, ((reductions, codes after) per
-    # result)): an op whose results are partial sums, run on its local
-    # blocks inside ``shard_map`` and reduced there as the plan says.
-    self.local = local or {}
+    # ctx + (eqn index,) -> the partial-sum region the eqn belongs to: run
+    # with the region's other eqns on local blocks in ``shard_map`` and
+    # reduced there as the plan says (:class:`Region`).
+    self.regions = regions or {}
     self.outputs = outputs  # (ctx, var) -> codes
     # (ctx + (eqn index,), operand position) -> the layouts of the reshard,
     # in order: a multi-axis reshard is staged one mesh axis at a time, as
@@ -96,8 +111,24 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
     env[v] = c
   for v, a in zip(jaxpr.invars, args):
     env[v] = pins.constrain(a, pins.bodies.get((ctx, v))) if pin_invars else a
+  pending: dict[int, list] = {}  # region -> its eqns met so far
   for i, eqn in enumerate(jaxpr.eqns):
     sub = ctx + (i,)
+    region = pins.regions.get(sub)
+    if region is not None:
+      # Collected until the region's last eqn, then run as one (values made
+      # inside the region stay local: they are partial sums).
+      items = pending.setdefault(id(region), [])
+      inner = {v for _, e, _ in items for v in e.outvars}
+      items.append((sub, eqn, [
+          None if not isinstance(v, jcore.Literal) and v in inner else
+          pins.constrain_path(read(v), pins.inputs.get((sub, j)))
+          for j, v in enumerate(eqn.invars)]))
+      if sub == region.members[-1]:
+        for v, x in run_region(region, pending.pop(id(region)),
+                               pins.mesh).items():
+          env[v] = pins.constrain(x, pins.outputs.get((ctx, v)))
+      continue
     invals = [read(v) for v in eqn.invars]
     invals = [pins.constrain_path(x, pins.inputs.get((sub, j)))
               for j, x in enumerate(invals)]
@@ -110,10 +141,6 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
       outs = _cond(eqn, invals, sub, pins)
     elif name == "while":
       outs = _while(eqn, invals, sub, pins)
-    elif sub in pins.local:
-      outs = _local_reduce(eqn, invals, pins.local[sub], pins.mesh)
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
     else:
       outs = _bind(eqn, invals, pins.mesh)
       if not eqn.primitive.multiple_results:
@@ -190,45 +217,127 @@ def reductions(have: Codes, target: Codes, nbytes: float,
   return steps, PartitionSpec(*entries)
 
 
-def _local_reduce(eqn, invals, spec, mesh: Mesh):
-  """Binds ``eqn`` on each device's blocks (``shard_map``) and reduces its
-  partial-sum results there with ``psum``/``psum_scatter``: XLA then emits
-  exactly the reduce-scatter or all-reduce the plan costed. (Left implicit,
-  XLA's dot partitioner often all-reduces and permutes instead:
-  ``benchmarks/transitions.py``.)"""
-  in_codes, out_plans = spec
-  names = mesh.axis_names
-  in_specs = tuple(codes_to_spec(c, len(x.shape), names)
-                   for c, x in zip(in_codes, invals))
-  out_specs = tuple(final if isinstance(final, PartitionSpec) else
-                    codes_to_spec(final, len(v.aval.shape), names)
-                    for (_, final), v in zip(out_plans, eqn.outvars))
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """Ops that carry partial sums from the ops that make them to where the
+  plan reduces them, run together on each device's blocks in one
+  ``shard_map``: GSPMD has no partial-sum sharding, so left to XLA a dot
+  whose result the plan keeps partial through a transpose, a reshape and a
+  reduce_sum (grouped-query attention's backward) is all-reduced at the dot,
+  at its full size, instead of where the plan reduces it.
+
+  Keys are eqn keys (call context + (eqn index,)), members in program order;
+  ``in_codes`` are the layouts of the operands that come from outside (none
+  partial), ``out_codes`` every member result's layout, ``reduce`` for each
+  result used outside the region the reductions (:func:`reductions`) and the
+  spec it leaves with."""
+
+  members: tuple[tuple, ...]
+  in_codes: Mapping[tuple[tuple, int], Codes]
+  out_codes: Mapping[tuple[tuple, int], Codes]
+  reduce: Mapping[tuple[tuple, int], tuple[list[Reduction], Any]]
+
+
+def _local_shape(shape, codes: Codes | None, mesh: Mesh) -> tuple[int, ...]:
+  out = list(shape)
+  for a, c in enumerate(codes or ()):
+    if c >= 0:
+      out[c] //= mesh.shape[mesh.axis_names[a]]
+  return tuple(out)
+
+
+def _bind_local(eqn, args, out_codes: Sequence[Codes | None], mesh: Mesh):
+  """Binds ``eqn`` on local blocks: parameters that name result shapes
+  (reshape, broadcast_in_dim, split) get the blocks' shapes."""
   bp = eqn.primitive.get_bind_params(eqn.params)
   if isinstance(bp, tuple):
     bp = bp[1]
   bp = dict(bp)
-  if "out_sharding" in bp:
-    bp["out_sharding"] = None  # a local op on a manual mesh
+  for k in ("out_sharding", "sharding"):
+    if k in bp:
+      bp[k] = None  # a local op on a manual mesh
+  name = eqn.primitive.name
+  if name in ("reshape", "broadcast_in_dim", "split"):
+    shapes = [_local_shape(v.aval.shape, c, mesh)
+              for v, c in zip(eqn.outvars, out_codes)]
+    if name == "reshape":
+      bp["new_sizes"] = shapes[0]
+    elif name == "broadcast_in_dim":
+      bp["shape"] = shapes[0]
+    else:
+      bp["sizes"] = tuple(sh[bp["axis"]] for sh in shapes)
+  return eqn.primitive.bind(*args, **bp)
+
+
+def _apply_reductions(x, steps: Sequence[Reduction], mesh: Mesh):
+  for kind, axes, dim in steps:
+    if kind == "psum":
+      x = lax.psum(x, axes)
+    elif kind == "psum_scatter":
+      x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    else:  # a slice of a partial sum is the partial sum of the slice
+      n = x.shape[dim] // mesh.shape[axes[0]]
+      x = lax.dynamic_slice_in_dim(x, lax.axis_index(axes[0]) * n, n,
+                                   axis=dim)
+  return x
+
+
+def run_region(region: Region, items: Sequence[tuple[tuple, Any, list]],
+               mesh: Mesh) -> dict[Any, Any]:
+  """Runs a region's equations (``items``: (key, eqn, operand values, None
+  for those made inside)) on each device's blocks and reduces its results
+  there with ``psum``/``psum_scatter``, so that XLA emits exactly the
+  collectives the plan costed. Returns the global value of each result
+  used outside, by its jaxpr variable."""
+  names = mesh.axis_names
+  ext, ext_specs = [], []
+  for key, eqn, invals in items:
+    for j, x in enumerate(invals):
+      if (key, j) in region.in_codes:
+        ext.append(x)
+        ext_specs.append(codes_to_spec(region.in_codes[(key, j)],
+                                       len(x.shape), names))
+  used = [(key, eqn, s) for key, eqn, _ in items
+          for s in range(len(eqn.outvars)) if (key, s) in region.reduce]
+  out_specs = []
+  for key, eqn, s in used:
+    final = region.reduce[(key, s)][1]
+    out_specs.append(final if isinstance(final, PartitionSpec) else
+                     codes_to_spec(final, len(eqn.outvars[s].aval.shape),
+                                   names))
 
   def body(*xs):
-    r = eqn.primitive.bind(*xs, **bp)
-    rs = list(r) if eqn.primitive.multiple_results else [r]
-    for i, (steps, _) in enumerate(out_plans):
-      for kind, axes, dim in steps:
-        if kind == "psum":
-          rs[i] = lax.psum(rs[i], axes)
-        elif kind == "psum_scatter":
-          rs[i] = lax.psum_scatter(rs[i], axes, scatter_dimension=dim,
-                                   tiled=True)
-        else:  # a slice of a partial sum is the partial sum of the slice
-          n = rs[i].shape[dim] // mesh.shape[axes[0]]
-          rs[i] = lax.dynamic_slice_in_dim(
-              rs[i], lax.axis_index(axes[0]) * n, n, axis=dim)
-    return tuple(rs)
+    it, local = iter(xs), {}
+    for key, eqn, _ in items:
+      args = [next(it) if (key, j) in region.in_codes else
+              v.val if isinstance(v, jcore.Literal) else local[v]
+              for j, v in enumerate(eqn.invars)]
+      r = _bind_local(eqn, args, [region.out_codes.get((key, s)) for s in
+                                  range(len(eqn.outvars))], mesh)
+      rs = list(r) if eqn.primitive.multiple_results else [r]
+      for v, x in zip(eqn.outvars, rs):
+        if not isinstance(v, jcore.DropVar):
+          local[v] = x
+    return tuple(_apply_reductions(local[eqn.outvars[s]],
+                                   region.reduce[(key, s)][0], mesh)
+                 for key, eqn, s in used)
 
-  outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                       out_specs=out_specs, check_vma=False)(*invals)
-  return list(outs) if eqn.primitive.multiple_results else outs[0]
+  vals = jax.shard_map(body, mesh=mesh, in_specs=tuple(ext_specs),
+                       out_specs=tuple(out_specs), check_vma=False)(*ext)
+  return {eqn.outvars[s]: x for (_, eqn, s), x in zip(used, vals)}
+
+
+def _local_reduce(eqn, invals, spec, mesh: Mesh):
+  """One op whose partial-sum results are reduced on the device: a region
+  of one equation (``spec``: operand codes, (reductions, final) per
+  result)."""
+  in_codes, out_plans = spec
+  key = ("local",)
+  region = Region((key,), {(key, j): c for j, c in enumerate(in_codes)}, {},
+                  {(key, s): r for s, r in enumerate(out_plans)})
+  outs = run_region(region, [(key, eqn, list(invals))], mesh)
+  res = [outs[v] for v in eqn.outvars]
+  return res if eqn.primitive.multiple_results else res[0]
 
 
 def _inline(eqn, invals, ctx, pins):
