@@ -113,6 +113,11 @@ class MeshInfo:
   alpha: tuple[float, ...]  # per-axis latency, s
   beta: tuple[float, ...]  # per-axis bandwidth, bytes/s per device
   link: tuple[str, ...]  # "intra" | "inter" | "mixed"
+  # All-reduces costed with this view are combined by XLA with the others of
+  # their loop body (its AllReduceCombiner merges independent all-reduces
+  # into one): they pay bandwidth only, and the body pays the latency once
+  # (``Problem.evaluate``).
+  combined: bool = False
 
   @property
   def size(self) -> int:

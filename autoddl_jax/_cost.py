@@ -165,6 +165,8 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None,
     n = nbytes / other
     dt, db, kind = one_axis(s, B if (s >= 0 and d == P) else d, n,
                             mi.axis_sizes[a], mi.alpha[a], mi.beta[a])
+    if kind == "all-reduce" and mi.combined:
+      dt -= 2 * mi.alpha[a] * (mi.axis_sizes[a] - 1)
     before = nbytes / split_factor(cur, mi.axis_sizes)
     group = _wide_all_to_all(cur, a, s, d)
     if group:
@@ -218,7 +220,7 @@ def joint_all_reduce(src: Sequence[int], dst: Sequence[int], nbytes: float,
   p = math.prod(mi.axis_sizes[a] for a in axes)
   n = nbytes / split_factor(pre, mi.axis_sizes)
   frac = (p - 1) / p
-  alpha = max(mi.alpha[a] for a in axes)
+  alpha = 0.0 if mi.combined else max(mi.alpha[a] for a in axes)
   beta = min(mi.beta[a] for a in axes)
   mid = tuple(B if a in axes else c for a, c in enumerate(pre))
   return axes, 2 * alpha * (p - 1) + 2 * frac * n / beta, 2 * frac * n, mid
@@ -283,8 +285,9 @@ def transition_states(src: tuple[int, ...], dst: tuple[int, ...],
   return _cheapest_path(src, dst, nbytes, shape, mi)[3]
 
 
-def _one_axis_vec(s, d, n, p, alpha, beta):
-  """:func:`one_axis` over arrays of (src, dst) codes and group bytes."""
+def _one_axis_vec(s, d, n, p, alpha, beta, combined=False):
+  """:func:`one_axis` over arrays of (src, dst) codes and group bytes
+  (``combined``: all-reduces without their latency, see MeshInfo)."""
   if p == 1:
     return np.zeros(s.shape), np.zeros(s.shape)
   frac = (p - 1) / p
@@ -298,7 +301,8 @@ def _one_axis_vec(s, d, n, p, alpha, beta):
   split = moving & (s >= 0)
   a2a = split & (d >= 0)
   ag = split & (d < 0)  # to B, or to P through B
-  t = np.where(ar, 2 * gather_t, t)
+  t = np.where(ar, 2 * gather_t - (2 * alpha * (p - 1) if combined else 0.0),
+               t)
   b = np.where(ar, 2 * frac * n, b)
   t = np.where(rs | ag, gather_t, t)
   b = np.where(rs | ag, frac * n, b)
@@ -356,7 +360,7 @@ class StateSpace:
                                sizes, 1.0).prod(axis=-1)
         nb = self.nbytes / split_other
         dt, db = _one_axis_vec(s_, d_, nb, int(sizes[a]), mi.alpha[a],
-                               mi.beta[a])
+                               mi.beta[a], mi.combined)
         before = self.nbytes / split_all(cur)
         # All-to-alls XLA widens over the target dim's axes
         # (_wide_all_to_all), grouped by the axes they span.

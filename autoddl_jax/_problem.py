@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoddl_jax._cluster import Cluster, MeshInfo
-from autoddl_jax._cost import StateSpace, state_space
+from autoddl_jax._cost import StateSpace, state_space, transition_steps
 from autoddl_jax._graph import OpGraph
-from autoddl_jax._sbp import B_CODE as B, spec_to_codes
+from autoddl_jax._sbp import B_CODE as B, P_CODE, spec_to_codes
 
 MEMORY_ALIAS_OPS = ("~link", "~merge")  # outputs alias their inputs
 
@@ -65,6 +65,32 @@ def _fixed_codes(op, slots, mi: MeshInfo) -> tuple[int, ...] | None:
     return None
 
 
+# Ops a tensor's value must reach for its all-reduce to be on the step's
+# critical path: the next layer's compute. Gradients of weights reach none
+# (only the optimizer's update), and XLA's AllReduceCombiner merges their
+# independent all-reduces: measured on the zoo (jax 0.10, CPU), DP's
+# gradient all-reduces become one per loop body and one outside, while
+# all-gathers and reduce-scatters stay one per tensor.
+_COMPUTE = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def combined_tensors(graph: OpGraph) -> frozenset[int]:
+  """Tensors no contraction depends on (through any chain of ops, loops
+  included): their all-reduces are combined (``MeshInfo.combined``)."""
+  feeds = set()  # tensors some contraction depends on
+  stack = [t for op in graph.ops if op.prim in _COMPUTE for t in op.ins
+           if t is not None]
+  while stack:
+    t = stack.pop()
+    if t in feeds:
+      continue
+    feeds.add(t)
+    prod = graph.tensors[t].producer
+    if prod is not None:
+      stack.extend(x for x in graph.ops[prod[0]].ins if x is not None)
+  return frozenset(t.id for t in graph.tensors if t.id not in feeds)
+
+
 class Problem:
   """Candidates, node costs and edges for one (graph, mesh, cluster)."""
 
@@ -99,12 +125,15 @@ class Problem:
     # Edges: producer output slot -> consumer input slot.
     self.edges: list[Edge] = []
     self.incident: list[list[int]] = [[] for _ in graph.ops]
+    self.combined = combined_tensors(graph)
+    mi_combined = dataclasses.replace(mi, combined=True)
     for t in graph.tensors:
       if t.producer is None:
         continue
       p, ps = t.producer
       p_slot = len(graph.ops[p].ins) + ps
-      sp = state_space(t.aval.shape, t.aval.dtype.itemsize, mi)
+      sp = state_space(t.aval.shape, t.aval.dtype.itemsize,
+                       mi_combined if t.id in self.combined else mi)
       for c, cs in t.consumers:
         e = Edge(t.id, p, p_slot, c, cs, graph.ops[c].in_weights[cs], sp)
         self.incident[p].append(len(self.edges))
@@ -253,11 +282,36 @@ class Problem:
     _, first = np.unique(keys, axis=1, return_index=True)
     return np.sort(first)
 
+  def combined_latency(self, choice, keep=None) -> float:
+    """The latency of the combined all-reduces (see
+    :func:`combined_tensors`): once per loop body (trip count) and group of
+    mesh axes, as XLA's combiner leaves them."""
+    ch = np.asarray(choice, dtype=np.int64)
+    keep = self.distinct_reshards(ch) if keep is None else keep
+    mi, groups = self.mi, {}
+    for i in keep:
+      e = self.edges[i]
+      if e.tensor not in self.combined:
+        continue
+      src = self.cands[e.prod][ch[e.prod]][e.prod_slot]
+      dst = self.cands[e.cons][ch[e.cons]][e.cons_slot]
+      if P_CODE not in src or src == dst:
+        continue
+      for kind, axes, _ in transition_steps(src, dst, e.space.nbytes,
+                                            e.space.shape, mi):
+        if kind == "all-reduce":
+          axes = axes if isinstance(axes, tuple) else (axes,)
+          p = int(np.prod([mi.axis_sizes[a] for a in axes]))
+          t = 2 * (p - 1) * max(mi.alpha[a] for a in axes)
+          groups[(e.weight, axes)] = t * e.weight
+    return float(sum(groups.values()))
+
   def evaluate(self, choice: Sequence[int]) -> Evaluation:
     ch = np.asarray(choice, dtype=np.int64)
     compute = float(self.compute_flat[self.node_off + ch].sum())
     keep = self.distinct_reshards(ch)
-    comm = float(self.edge_costs(ch)[keep].sum())
+    comm = float(self.edge_costs(ch)[keep].sum()) + \
+        self.combined_latency(ch, keep)
     comm_b = float(self.edge_costs(ch, "bytes")[keep].sum())
     return Evaluation(compute + comm, compute, comm, comm_b,
                       self.peak_memory(choice))

@@ -96,7 +96,13 @@ def _dims(rank: int, start: int = 0) -> str:
 
 def _elementwise(ins, outs, params) -> list[Sig]:
   r = outs[0].rank
-  fs = [_dims(r) if a.rank == r else "" for a in ins]
+  out = outs[0].shape
+  # A size-1 dim against a longer result dim broadcasts (lax's elementwise
+  # ops take them, e.g. RoPE's ``x * cos[None, :, None, :]``): that operand
+  # stays whole along it while the others split it.
+  fs = ["".join("." if a.shape[d] == 1 and out[d] != 1 else f
+                for d, f in enumerate(_dims(r))) if a.rank == r else ""
+        for a in ins]
   return factor_sigs(ins, outs, fs, [_dims(r)] * len(outs))
 
 

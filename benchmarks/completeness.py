@@ -100,12 +100,22 @@ def _mesh():
                        devices=jax.devices()[:N])
 
 
-def covered(sig, sigs) -> bool:
+def covered(sig, sigs, in_avals=None) -> bool:
   """Whether the planner can run ``sig`` locally: some rule signature has
   its results, and operands it reaches for free (the same placement, or B
-  sliced to S / zeroed to P on the device: a free transition)."""
+  sliced to S / zeroed to P on the device: a free transition). A slice must
+  divide the operand (``in_avals``): a size-1 dim that broadcasts cannot be
+  split, so the rule must keep that operand whole."""
   ins, outs = sig
-  return any(so == outs and all(c == r or c == B for c, r in zip(ins, si))
+
+  def free(c, r, a):
+    if c == r:
+      return True
+    return c == B and (r < 0 or a is None or a.shape[r] % N == 0)
+
+  avals = in_avals or [None] * len(ins)
+  return any(so == outs and all(free(c, r, a)
+                                for c, r, a in zip(ins, si, avals))
              for si, so in sigs)
 
 
@@ -155,7 +165,7 @@ def check_equation(eqn, mesh=None) -> list[dict]:
           spec, len(a.shape), ("x",))[0])
     sig = (tuple(combo), tuple(outs))
     rows.append(dict(combo=combo, local=local, outs=tuple(outs),
-                     in_rules=covered(sig, sigs),
+                     in_rules=covered(sig, sigs, in_avals),
                      excepted=EXCEPTIONS.get((eqn.primitive.name, *sig))))
   return rows
 

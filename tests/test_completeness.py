@@ -50,3 +50,18 @@ def test_what_xla_runs_locally_the_rules_have(prim):
   assert rows and not any("error" in r for r in rows), rows
   assert any(r["local"] for r in rows)
   assert not completeness.missing(rows), completeness.missing(rows)
+
+
+def test_an_operand_that_broadcasts_a_size_1_dim_stays_whole():
+  # RoPE's x * cos[None, :, None, :]: lax's mul takes the (1, s, 1, d)
+  # operand as it is, and XLA runs x split on the batch with cos whole. A
+  # rule that asked for cos split on its size-1 dim has no valid layout for
+  # it, so the planner used to move x off the batch split (an all-to-all
+  # before and after every RoPE, in data parallelism).
+  import jax
+  import jax.numpy as jnp
+  jx = jax.make_jaxpr(lambda x, c: x * c)(jnp.zeros((8, 16, 4, 8)),
+                                          jnp.zeros((1, 16, 1, 8)))
+  rows = completeness.check_equation(jx.jaxpr.eqns[0])
+  assert any(r["local"] and r["combo"] == (0, -1) for r in rows), rows
+  assert not completeness.missing(rows), completeness.missing(rows)

@@ -21,10 +21,13 @@ def test_coordinate_descent_is_within_2_percent_of_the_optimum(model, shape):
   best = _search.exact(plan.problem, time_limit=120)
   assert best is not None, "exact solver did not finish"
   # The search's pairwise objective: plan.cost can only be lower (consumers
-  # that want one layout of a tensor share its reshard).
+  # that want one layout of a tensor share its reshard), but for the latency
+  # of the combined all-reduces, which it charges once per loop body.
   ours = _search.objective(plan.problem, plan.choice)
-  assert plan.cost.time_s <= ours * (1 + 1e-12)
-  assert best.objective <= ours * (1 + 1e-9)
+  combined = plan.problem.combined_latency(plan.choice)
+  assert plan.cost.time_s <= ours * (1 + 1e-12) + combined
+  # (HiGHS's feasibility tolerances leave its optimum up to ~1e-7 off.)
+  assert best.objective <= ours * (1 + 1e-6)
   assert ours <= best.objective * 1.02, (ours, best.objective)
 
 
