@@ -582,6 +582,74 @@ def objective(prob: Problem, choice, mem_weight: float = 0.0) -> float:
   return float(node + prob.edge_costs(ch).sum())
 
 
+def score(prob: Problem, choice, mem_weight: float = 0.0) -> float:
+  """A plan's cost as ``plan.cost`` reports it (consumers that want one
+  layout share a reshard; combined all-reduces pay their latency once),
+  plus the memory penalty: how the search's candidates are compared in the
+  end. The pairwise :func:`objective` the moves minimise charges every
+  consumer its reshard and no combined latency, so it can rank two plans
+  the other way round."""
+  ch = np.asarray(choice, dtype=np.int64)
+  t = prob.evaluate(ch).time_s
+  if mem_weight:
+    t += mem_weight * prob.out_bytes_flat[prob.node_off + ch].sum()
+  return float(t)
+
+
+def polish_by_score(prob: Problem, choice, mem_weight: float = 0.0,
+                    sweeps: int = 3) -> np.ndarray:
+  """Coordinate descent on :func:`score`'s reshards, one op group at a time:
+  for each candidate of the group, the reshards of every tensor it touches,
+  consumers that want one layout sharing one (the pairwise moves charge
+  each); every candidate of a group is scored in one vectorised pass."""
+  ch = np.array(choice, dtype=np.int64)
+  by_tensor: dict[int, list[int]] = {}
+  for i, t in enumerate(prob.e_tensor.tolist()):
+    by_tensor.setdefault(t, []).append(i)
+  w_ids = {w: i for i, w in enumerate(np.unique(prob.e_w).tolist())}
+  e_wid = np.array([w_ids[w] for w in prob.e_w.tolist()], dtype=np.int64)
+  n_w = max(len(w_ids), 1)
+  for _ in range(sweeps):
+    moved = False
+    for g in prob.groups:
+      n_k = len(prob.cands[g[0]])
+      if n_k <= 1:
+        continue
+      ts = sorted({int(prob.e_tensor[i]) for o in g for i in prob.incident[o]})
+      if not ts:
+        continue
+      e = np.concatenate([by_tensor[t] for t in ts])
+      in_g = np.zeros(len(ch), dtype=bool)
+      in_g[g] = True
+      kk = np.arange(n_k)[:, None]
+      prod, cons = prob.e_prod[e], prob.e_cons[e]
+      sp = prob.cand_state[prob.e_poff[e] + np.where(in_g[prod], kk,
+                                                       ch[prod])]
+      sc = prob.cand_state[prob.e_coff[e] + np.where(in_g[cons], kk,
+                                                       ch[cons])]
+      cost = prob.e_w[e] * prob._t_flat[  # noqa: SLF001
+          prob.e_toff[e] + sp * prob.e_tn[e] + sc]
+      # One reshard per (tensor, target layout, trip count), per candidate.
+      t_loc = np.searchsorted(ts, prob.e_tensor[e])
+      n_s = int(sc.max()) + 1
+      key = ((kk * len(ts) + t_loc) * n_s + sc) * n_w + e_wid[e]
+      _, first = np.unique(key.ravel(), return_index=True)
+      rows = first // len(e)
+      comm = np.bincount(rows, cost.ravel()[first], minlength=n_k)
+      node = sum(prob.compute[o] for o in g)
+      if mem_weight:
+        node = node + mem_weight * sum(prob.out_bytes[o] for o in g)
+      total = comm + node
+      cur = int(ch[g[0]])
+      best = int(np.argmin(total))
+      if total[best] < total[cur] - _EPS * max(1.0, abs(total[cur])):
+        ch[g] = best
+        moved = True
+    if not moved:
+      break
+  return ch
+
+
 def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
                        fixed_ops: Sequence[int] = (), mem_weight: float = 0.0,
                        progress: Callable[[str, int, float], None] | None = None,
@@ -614,6 +682,7 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
     # Message passing needs no seed: the unpinned problem is one more start,
     # the one that most often wins, so it gets more patience.
     starts.append((FREE, {}, UNSEEDED))
+  pinned = []  # each seed's completion with its boundary held
   for n, (name, gpins, passing) in enumerate(starts):
     cb = None if progress is None else (
         lambda s, c, nm=name: progress(nm, s, c))
@@ -623,6 +692,7 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
     gchoice, sweeps = _solve(shared.pin(gpins) if gpins else free, passing,
                              SEED_EFFORT, cb, stats)
     best_iteration[name] = stats["best_iteration"]
+    pinned.append((name, gchoice, sweeps))
     if not scoring and gpins:
       more, s2 = _solve(free, gchoice, 0, cb)
       sweeps += s2
@@ -631,20 +701,24 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
         gchoice = more
     results.append((objective(prob, _expand(prob, gchoice), mem_weight), n,
                     name, gchoice, sweeps))
-  # The best ``finalists`` get the expensive moves.
-  best_obj, best = np.inf, None
+  # The best ``finalists`` get the expensive moves; then every start's plan
+  # and the finalists' are compared by what the plan costs (:func:`score`).
+  cands = pinned + [(name, gchoice, sweeps)
+                    for _, _, name, gchoice, sweeps in results]
   for obj, _, name, gchoice, sweeps in sorted(results,
                                               key=lambda r: r[:2])[:finalists]:
     cb = None if progress is None else (
         lambda s, c, nm=name: progress(nm, s, c))
     if scoring:
-      final, s2 = gchoice, 0  # a hand plan: its one search is done
-    else:
-      final, s2 = _solve(free, gchoice, FINAL_EFFORT, cb)
-    fobj = objective(prob, _expand(prob, final), mem_weight)
-    cand = (final, fobj) if fobj <= obj else (gchoice, obj)
-    if best is None or cand[1] < best_obj - _EPS * max(1.0, abs(best_obj)):
-      best_obj, best = cand[1], (name, cand[0], sweeps + s2)
+      continue  # a hand plan: its one search is done
+    final, s2 = _solve(free, gchoice, FINAL_EFFORT, cb)
+    if objective(prob, _expand(prob, final), mem_weight) <= obj:
+      cands.append((name, final, sweeps + s2))
+  best_obj, best = np.inf, None
+  for name, gchoice, sweeps in cands:
+    sc = score(prob, _expand(prob, gchoice), mem_weight)
+    if best is None or sc < best_obj - _EPS * max(1.0, abs(best_obj)):
+      best_obj, best = sc, (name, gchoice, sweeps)
   name, gchoice, sweeps = best
   choice = _expand(prob, gchoice)
   if polish is not None:
@@ -654,8 +728,11 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
                      _groups_of(polish, choice), 0)
     sweeps += s3
     alt = _expand(polish, pch)
-    if objective(prob, alt, mem_weight) <= objective(prob, choice,
-                                                     mem_weight):
+    if score(prob, alt, mem_weight) <= score(prob, choice, mem_weight):
+      choice = alt
+  if not scoring:
+    alt = polish_by_score(prob, choice, mem_weight)
+    if score(prob, alt, mem_weight) < score(prob, choice, mem_weight):
       choice = alt
   return SearchResult([int(c) for c in choice],
                       objective(prob, choice, mem_weight), name, sweeps,
