@@ -504,12 +504,39 @@ class Plan:
       comps[find(x)].append(x)
     regions: dict[tuple, _lower.Region] = {}
     for ids in comps.values():
-      region = self._region(sorted(ids), key_of, codes)
-      if region is not None:
+      for region in self._chain(sorted(ids), key_of, codes) or ():
         regions.update({k: region for k in region.members})
     return regions
 
-  def _region(self, ids, key_of, codes) -> _lower.Region | None:
+  def _inner_steps(self, have, want) -> tuple[_lower.Reduction, ...] | None:
+    """The local steps that take a partial sum made inside a chain from
+    ``have`` to the layout ``want`` of a consumer inside it: free slices of
+    replicated axes first, then reductions of the partial axes it no longer
+    keeps (``psum``, ``psum_scatter``), as the cost model's path takes them;
+    None if it takes more (or a split of a dim that is split already: out
+    of tile order)."""
+    names = self.mesh_info.axis_names
+    cut, red = [], []
+    for a, (h, w) in enumerate(zip(have, want)):
+      if h == w:
+        continue
+      if w >= 0 and w in have:
+        return None
+      if h == B and w >= 0:
+        cut.append(("slice", (names[a],), w))
+      elif h == P and w == B:
+        red.append(("psum", (names[a],), None))
+      elif h == P and w >= 0:
+        red.append(("psum_scatter", (names[a],), w))
+      else:
+        return None
+    return (*cut, *red)
+
+  def _chain(self, ids, key_of, codes) -> list[_lower.Region] | None:
+    """A chain of partial-sum ops as regions in program order: a region
+    ends before the op that would make one of its results wanted before the
+    region's last op runs; partial sums a later region takes are handed to
+    it stacked. None if the lowering cannot write the chain."""
     g = self.graph
     members = set(ids)
     ops = [g.ops[i] for i in ids]
@@ -518,35 +545,88 @@ class Plan:
       return None
     if len({key_of[o.id][:-1] for o in ops}) != 1:
       return None  # members in different jaxprs
-    in_codes, out_codes, reduce = {}, {}, {}
-    for o in ops:
-      key, n_in = key_of[o.id], len(o.ins)
+    for o in ops:  # partial sums come in from no op outside the chain
       for j, t in enumerate(o.ins):
         if t is None:
           continue
         prod, ps = g.tensors[t].producer
         if prod in members:
-          if codes(o.id, j) != codes(prod, len(g.ops[prod].ins) + ps):
-            return None  # a reshard between two members
+          if self._inner_steps(codes(prod, len(g.ops[prod].ins) + ps),
+                               codes(o.id, j)) is None:
+            return None
         elif P in codes(o.id, j):
           return None
-        else:
-          in_codes[(key, j)] = codes(o.id, j)
+      for t in o.outs:
+        if any(P in codes(c, cs) for c, cs in g.tensors[t].consumers
+               if c not in members):
+          return None
+    # Segments: extend while every result used outside the segment is used
+    # after the segment's last op.
+    segments, cur = [], []
+    for o in ids:
+      seg = set(cur + [o])
+      first = min((c for m in seg for t in g.ops[m].outs
+                   for c, _ in g.tensors[t].consumers if c not in seg),
+                  default=float("inf"))
+      if cur and first < o:
+        segments.append(cur)
+        cur = [o]
+      else:
+        cur = cur + [o]
+    segments.append(cur)
+    regions = []
+    for seg_ids in segments:
+      r = self._segment(seg_ids, members, key_of, codes)
+      if r is None:
+        return None
+      regions.append(r)
+    return regions
+
+  def _segment(self, ids, members, key_of, codes) -> _lower.Region | None:
+    g = self.graph
+    seg = set(ids)
+    if min((c for m in ids for t in g.ops[m].outs
+            for c, _ in g.tensors[t].consumers if c not in seg),
+           default=float("inf")) < ids[-1]:
+      return None  # used before the region's last op runs
+    in_codes, stacked_in, slices = {}, {}, {}
+    out_codes, reduce, stacked_out = {}, {}, {}
+    for oid in ids:
+      o = g.ops[oid]
+      key, n_in = key_of[oid], len(o.ins)
+      for j, t in enumerate(o.ins):
+        if t is None:
+          continue
+        prod, ps = g.tensors[t].producer
+        want = codes(oid, j)
+        if prod not in members:
+          in_codes[(key, j)] = want
+          continue
+        have = codes(prod, len(g.ops[prod].ins) + ps)
+        if prod not in seg:
+          if P not in have:
+            in_codes[(key, j)] = want
+            continue
+          stacked_in[(key, j)] = have
+        steps = self._inner_steps(have, want)
+        if steps:
+          slices[(key, j)] = steps
       for s, t in enumerate(o.outs):
-        have = codes(o.id, n_in + s)
+        have = codes(oid, n_in + s)
         out_codes[(key, s)] = have
-        outside = [(c, cs) for c, cs in g.tensors[t].consumers
-                   if c not in members]
+        consumers = g.tensors[t].consumers
+        if any(c in members and c not in seg for c, _ in consumers):
+          if P in have:
+            stacked_out[(key, s)] = have
+          else:
+            reduce[(key, s)] = ([], have)
+        outside = [(c, cs) for c, cs in consumers if c not in members]
         if not outside:
           continue
-        if min(c for c, _ in outside) < ids[-1]:
-          return None  # used before the region's last op runs
-        wants = [codes(c, cs) for c, cs in outside]
-        if any(P in w for w in wants):
-          return None
         if P not in have:
           reduce[(key, s)] = ([], have)
           continue
+        wants = [codes(c, cs) for c, cs in outside]
         target = collections.Counter(wants).most_common(1)[0][0]
         aval = g.tensors[t].aval
         r = _lower.reductions(have, target, g.tensors[t].nbytes,
@@ -554,10 +634,10 @@ class Plan:
         if r is None:
           return None
         reduce[(key, s)] = r
-    if not reduce:
+    if not reduce and not stacked_out:
       return None
     return _lower.Region(tuple(key_of[i] for i in ids), in_codes, out_codes,
-                         reduce)
+                         reduce, stacked_in, slices, stacked_out)
 
   def jit(self, *, pin_inputs: bool = True, **jit_kwargs) -> Any:
     """The planned step as a ``jax.jit`` function (call it, or ``.lower``).

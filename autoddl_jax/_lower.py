@@ -112,6 +112,7 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
   for v, a in zip(jaxpr.invars, args):
     env[v] = pins.constrain(a, pins.bodies.get((ctx, v))) if pin_invars else a
   pending: dict[int, list] = {}  # region -> its eqns met so far
+  stacked: dict[Any, Any] = {}  # partial sums handed between regions
   for i, eqn in enumerate(jaxpr.eqns):
     sub = ctx + (i,)
     region = pins.regions.get(sub)
@@ -119,15 +120,17 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
       # Collected until the region's last eqn, then run as one (values made
       # inside the region stay local: they are partial sums).
       items = pending.setdefault(id(region), [])
-      inner = {v for _, e, _ in items for v in e.outvars}
       items.append((sub, eqn, [
-          None if not isinstance(v, jcore.Literal) and v in inner else
+          stacked[v] if (sub, j) in region.stacked_in else
           pins.constrain_path(read(v), pins.inputs.get((sub, j)))
-          for j, v in enumerate(eqn.invars)]))
+          if (sub, j) in region.in_codes or isinstance(v, jcore.Literal)
+          else None for j, v in enumerate(eqn.invars)]))
       if sub == region.members[-1]:
-        for v, x in run_region(region, pending.pop(id(region)),
-                               pins.mesh).items():
+        outs, handed = run_region(region, pending.pop(id(region)),
+                                  pins.mesh)
+        for v, x in outs.items():
           env[v] = pins.constrain(x, pins.outputs.get((ctx, v)))
+        stacked.update(handed)
       continue
     invals = [read(v) for v in eqn.invars]
     invals = [pins.constrain_path(x, pins.inputs.get((sub, j)))
@@ -226,16 +229,39 @@ class Region:
   reduce_sum (grouped-query attention's backward) is all-reduced at the dot,
   at its full size, instead of where the plan reduces it.
 
-  Keys are eqn keys (call context + (eqn index,)), members in program order;
-  ``in_codes`` are the layouts of the operands that come from outside (none
-  partial), ``out_codes`` every member result's layout, ``reduce`` for each
-  result used outside the region the reductions (:func:`reductions`) and the
-  spec it leaves with."""
+  Keys are eqn keys (call context + (eqn index,)), members in program order.
+  ``in_codes``: operands from outside, by the layout they come in (none
+  partial). ``stacked_in``: partial sums made by an earlier region of the
+  same chain, handed over *stacked* -- a leading dim with one addend per
+  device of the partial axes (:func:`stacked_spec`), so that no value ever
+  claims a layout it does not have -- by the producer's layout.
+  ``slices``: the steps (free slices, then reductions: :data:`Reduction`)
+  an operand made inside takes on its way to a member that wants it in
+  another layout. ``out_codes``: every
+  member result's layout. ``reduce``: per result used by ops outside the
+  chain, the reductions (:func:`reductions`) and the spec it leaves with.
+  ``stacked_out``: per result a later region takes, its layout."""
 
   members: tuple[tuple, ...]
   in_codes: Mapping[tuple[tuple, int], Codes]
   out_codes: Mapping[tuple[tuple, int], Codes]
   reduce: Mapping[tuple[tuple, int], tuple[list[Reduction], Any]]
+  stacked_in: Mapping[tuple[tuple, int], Codes] = dataclasses.field(
+      default_factory=dict)
+  slices: Mapping[tuple[tuple, int], tuple[Reduction, ...]] = \
+      dataclasses.field(default_factory=dict)
+  stacked_out: Mapping[tuple[tuple, int], Codes] = dataclasses.field(
+      default_factory=dict)
+
+
+def stacked_spec(codes: Codes, rank: int, names: Sequence[str]
+                 ) -> PartitionSpec:
+  """The spec of a partial sum held stacked: a leading dim over the partial
+  axes (each device's block is its addend), then the value's own dims."""
+  p_axes = tuple(n for n, c in zip(names, codes) if c == P_CODE)
+  rest = codes_to_spec(tuple(B_CODE if c == P_CODE else c for c in codes),
+                       rank, names)
+  return PartitionSpec(p_axes if len(p_axes) > 1 else p_axes[0], *rest)
 
 
 def _local_shape(shape, codes: Codes | None, mesh: Mesh) -> tuple[int, ...]:
@@ -283,12 +309,14 @@ def _apply_reductions(x, steps: Sequence[Reduction], mesh: Mesh):
 
 
 def run_region(region: Region, items: Sequence[tuple[tuple, Any, list]],
-               mesh: Mesh) -> dict[Any, Any]:
-  """Runs a region's equations (``items``: (key, eqn, operand values, None
-  for those made inside)) on each device's blocks and reduces its results
-  there with ``psum``/``psum_scatter``, so that XLA emits exactly the
-  collectives the plan costed. Returns the global value of each result
-  used outside, by its jaxpr variable."""
+               mesh: Mesh) -> tuple[dict[Any, Any], dict[Any, Any]]:
+  """Runs a region's equations (``items``: (key, eqn, operand values: the
+  stacked value for a ``stacked_in`` operand, None for those made inside))
+  on each device's blocks and reduces its results there with
+  ``psum``/``psum_scatter``, so that XLA emits exactly the collectives the
+  plan costed. Returns the global value of each result used outside and
+  the stacked value of each result a later region takes, by jaxpr
+  variable."""
   names = mesh.axis_names
   ext, ext_specs = [], []
   for key, eqn, invals in items:
@@ -297,34 +325,56 @@ def run_region(region: Region, items: Sequence[tuple[tuple, Any, list]],
         ext.append(x)
         ext_specs.append(codes_to_spec(region.in_codes[(key, j)],
                                        len(x.shape), names))
+      elif (key, j) in region.stacked_in:
+        ext.append(x)
+        ext_specs.append(stacked_spec(region.stacked_in[(key, j)],
+                                      len(x.shape) - 1, names))
   used = [(key, eqn, s) for key, eqn, _ in items
           for s in range(len(eqn.outvars)) if (key, s) in region.reduce]
+  handed = [(key, eqn, s) for key, eqn, _ in items
+            for s in range(len(eqn.outvars)) if (key, s) in region.stacked_out]
   out_specs = []
   for key, eqn, s in used:
     final = region.reduce[(key, s)][1]
     out_specs.append(final if isinstance(final, PartitionSpec) else
                      codes_to_spec(final, len(eqn.outvars[s].aval.shape),
                                    names))
+  for key, eqn, s in handed:
+    out_specs.append(stacked_spec(region.stacked_out[(key, s)],
+                                  len(eqn.outvars[s].aval.shape), names))
 
   def body(*xs):
     it, local = iter(xs), {}
     for key, eqn, _ in items:
-      args = [next(it) if (key, j) in region.in_codes else
-              v.val if isinstance(v, jcore.Literal) else local[v]
-              for j, v in enumerate(eqn.invars)]
+      args = []
+      for j, v in enumerate(eqn.invars):
+        if (key, j) in region.in_codes:
+          x = next(it)
+        elif (key, j) in region.stacked_in:
+          x = next(it)[0]
+        elif isinstance(v, jcore.Literal):
+          x = v.val
+        else:
+          x = local[v]
+        args.append(_apply_reductions(x, region.slices.get((key, j), ()),
+                                      mesh))
       r = _bind_local(eqn, args, [region.out_codes.get((key, s)) for s in
                                   range(len(eqn.outvars))], mesh)
       rs = list(r) if eqn.primitive.multiple_results else [r]
       for v, x in zip(eqn.outvars, rs):
         if not isinstance(v, jcore.DropVar):
           local[v] = x
-    return tuple(_apply_reductions(local[eqn.outvars[s]],
-                                   region.reduce[(key, s)][0], mesh)
-                 for key, eqn, s in used)
+    return (*(_apply_reductions(local[eqn.outvars[s]],
+                                region.reduce[(key, s)][0], mesh)
+              for key, eqn, s in used),
+            *(local[eqn.outvars[s]][None] for key, eqn, s in handed))
 
   vals = jax.shard_map(body, mesh=mesh, in_specs=tuple(ext_specs),
                        out_specs=tuple(out_specs), check_vma=False)(*ext)
-  return {eqn.outvars[s]: x for (_, eqn, s), x in zip(used, vals)}
+  outs = {eqn.outvars[s]: x for (_, eqn, s), x in zip(used, vals)}
+  stacked = {eqn.outvars[s]: x
+             for (_, eqn, s), x in zip(handed, vals[len(used):])}
+  return outs, stacked
 
 
 def _local_reduce(eqn, invals, spec, mesh: Mesh):
@@ -335,7 +385,7 @@ def _local_reduce(eqn, invals, spec, mesh: Mesh):
   key = ("local",)
   region = Region((key,), {(key, j): c for j, c in enumerate(in_codes)}, {},
                   {(key, s): r for s, r in enumerate(out_plans)})
-  outs = run_region(region, [(key, eqn, list(invals))], mesh)
+  outs, _ = run_region(region, [(key, eqn, list(invals))], mesh)
   res = [outs[v] for v in eqn.outvars]
   return res if eqn.primitive.multiple_results else res[0]
 

@@ -81,3 +81,39 @@ def test_a_loop_result_is_pinned_to_the_layout_the_plan_gave_it():
   v = plan.verify()
   for kind, (pred, emitted) in v.by_kind.items():
     assert pred == pytest.approx(emitted, rel=0.1), (kind, v.by_kind)
+
+
+def test_a_partial_sum_is_handed_between_regions_stacked():
+  # A chain split in two regions (a result of the first is wanted before
+  # the second ends): the partial sum crosses as a stacked value, one addend
+  # per device on a leading dim, and is reduced once, at the end.
+  from jax.sharding import NamedSharding
+
+  from autoddl_jax import _lower
+  from autoddl_jax._cluster import mesh_info
+  mesh = make_mesh((8,), explicit=False)
+  x = jax.random.normal(jax.random.key(4), (4, 64), jnp.float32)
+  w = jax.random.normal(jax.random.key(5), (64, 16), jnp.float32)
+  f = lambda x, w: (x @ w) * 2.0  # noqa: E731
+  closed = jax.make_jaxpr(f)(x, w)
+  assert [e.primitive.name for e in closed.jaxpr.eqns] == ["dot_general",
+                                                           "mul"]
+  P_, B_ = -2, -1
+  first = _lower.Region(((0,),), {((0,), 0): (1,), ((0,), 1): (0,)},
+                        {((0,), 0): (P_,)}, {},
+                        stacked_out={((0,), 0): (P_,)})
+  steps, spec = _lower.reductions((P_,), (B_,), 4 * 16 * 4, (4, 16),
+                                  mesh_info(mesh, ad.Cluster()))
+  second = _lower.Region(((1,),), {}, {((1,), 0): (P_,)},
+                         {((1,), 0): (steps, spec)},
+                         stacked_in={((1,), 0): (P_,)})
+  pins = _lower.Pins(mesh, {}, {}, {}, {(0,): first, (1,): second})
+  run = jax.jit(lambda x, w: _lower.interpret(
+      closed.jaxpr, closed.consts, [x, w], (), pins)[0],
+      in_shardings=(NamedSharding(mesh, P(None, "data")),
+                    NamedSharding(mesh, P("data", None))))
+  compiled = run.lower(x, w).compile()
+  assert rel_err(compiled(x, w), f(x, w)) <= 1e-5
+  cols = _hlo.collectives(compiled)
+  assert [(c.kind, c.operand_shapes[0]) for c in cols] == [
+      ("all-reduce", (4, 16))], cols
