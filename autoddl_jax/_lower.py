@@ -25,7 +25,9 @@ traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
   (grouped-query attention's backward: a 384 MiB all-reduce per layer where
   the plan reduced 4x less after the head-group sum) and its dot
   partitioner often all-reduces and permutes where the plan costed a
-  reduce-scatter. A region the lowering cannot write is left to XLA.
+  reduce-scatter. A chain whose result is wanted before it ends is split in
+  regions, the partial sum handed on stacked (:func:`stacked_spec`). A
+  chain the lowering cannot write is left to XLA.
 * a loop's or branch's results, to the layout the plan gives them: the
   reshard at a loop's exit has no op of its own.
 
