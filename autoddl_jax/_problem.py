@@ -337,16 +337,34 @@ class Problem:
           end = n - 1
       self._live.append((t.id, p, len(op.ins) + ps, start, end))
 
-  def peak_memory(self, choice: Sequence[int]) -> float:
+  def _live_bytes(self, choice: Sequence[int]) -> np.ndarray:
+    """Bytes per device of each live-range entry (``self._live``) under
+    ``choice``."""
+    g = self.graph
+    out = np.zeros(len(self._live))
+    for i, (tid, p, slot, _, _) in enumerate(self._live):
+      a = g.tensors[tid].aval
+      sp = state_space(a.shape, a.dtype.itemsize, self.mi)
+      out[i] = sp.local_bytes[self.slot_idx[p][slot][choice[p]]]
+    return out
+
+  def _live_curve(self, choice, category=None) -> np.ndarray:
+    """Bytes live after each op, per category row if ``category`` maps a
+    live entry to a row."""
     n = len(self.graph.ops)
-    delta = np.zeros(n + 1)
-    for tid, p, slot, start, end in self._live:
-      sp = state_space(self.graph.tensors[tid].aval.shape,
-                       self.graph.tensors[tid].aval.dtype.itemsize, self.mi)
-      b = sp.local_bytes[self.slot_idx[p][slot][choice[p]]]
-      delta[start] += b
-      delta[end + 1] -= b
-    return float(np.cumsum(delta).max()) if n else 0.0
+    rows = 1 if category is None else 3
+    delta = np.zeros((rows, n + 1))
+    for (tid, p, _, start, end), b in zip(self._live,
+                                          self._live_bytes(choice)):
+      r = 0 if category is None else category(tid, p)
+      delta[r, start] += b
+      delta[r, end + 1] -= b
+    return np.cumsum(delta, axis=1)
+
+  def peak_memory(self, choice: Sequence[int]) -> float:
+    if not self.graph.ops:
+      return 0.0
+    return float(self._live_curve(choice)[0].max())
 
   def memory_breakdown(self, choice: Sequence[int]) -> dict[str, float]:
     """Bytes per device live at the peak, by category: ``arguments`` (the
@@ -354,34 +372,27 @@ class Problem:
     ``results`` (what the step returns: the new state, once produced) and
     ``intermediates`` (activations, gradients and temporaries between their
     producer and last use)."""
-    n = len(self.graph.ops)
     cats = ("arguments", "results", "intermediates")
-    delta = np.zeros((len(cats), n + 1))
-    for tid, p, slot, start, end in self._live:
-      t = self.graph.tensors[tid]
-      sp = state_space(t.aval.shape, t.aval.dtype.itemsize, self.mi)
-      b = sp.local_bytes[self.slot_idx[p][slot][choice[p]]]
-      if self.graph.ops[p].kind == "input":
-        c = 0
-      elif any(self.graph.ops[o].kind == "output" for o, _ in t.consumers):
-        c = 1
-      else:
-        c = 2
-      delta[c, start] += b
-      delta[c, end + 1] -= b
-    if not n:
+    if not self.graph.ops:
       return dict.fromkeys(cats, 0.0)
-    live = np.cumsum(delta, axis=1)
+    g = self.graph
+
+    def category(tid, p):
+      if g.ops[p].kind == "input":
+        return 0
+      if any(g.ops[o].kind == "output" for o, _ in g.tensors[tid].consumers):
+        return 1
+      return 2
+
+    live = self._live_curve(choice, category)
     at = int(live.sum(axis=0).argmax())
     return {c: float(live[i, at]) for i, c in enumerate(cats)}
 
   def largest_tensors(self, choice: Sequence[int], k: int = 5):
-    out = []
-    for tid, p, slot, _, _ in self._live:
-      t = self.graph.tensors[tid]
-      sp = state_space(t.aval.shape, t.aval.dtype.itemsize, self.mi)
-      b = sp.local_bytes[self.slot_idx[p][slot][choice[p]]]
-      out.append((float(b), t.name, t.aval.shape))
+    g = self.graph
+    out = [(float(b), g.tensors[tid].name, g.tensors[tid].aval.shape)
+           for (tid, _, _, _, _), b in zip(self._live,
+                                           self._live_bytes(choice))]
     out.sort(key=lambda x: -x[0])
     return out[:k]
 
