@@ -306,12 +306,20 @@ class Problem:
           groups[(e.weight, axes)] = t * e.weight
     return float(sum(groups.values()))
 
-  def evaluate(self, choice: Sequence[int]) -> Evaluation:
+  def step_time(self, choice, keep=None) -> tuple[float, float]:
+    """(compute s, communication s) of a plan: each distinct reshard once,
+    the combined all-reduces' latency once per group."""
     ch = np.asarray(choice, dtype=np.int64)
     compute = float(self.compute_flat[self.node_off + ch].sum())
-    keep = self.distinct_reshards(ch)
+    keep = self.distinct_reshards(ch) if keep is None else keep
     comm = float(self.edge_costs(ch)[keep].sum()) + \
         self.combined_latency(ch, keep)
+    return compute, comm
+
+  def evaluate(self, choice: Sequence[int]) -> Evaluation:
+    ch = np.asarray(choice, dtype=np.int64)
+    keep = self.distinct_reshards(ch)
+    compute, comm = self.step_time(ch, keep)
     comm_b = float(self.edge_costs(ch, "bytes")[keep].sum())
     return Evaluation(compute + comm, compute, comm, comm_b,
                       self.peak_memory(choice))

@@ -590,7 +590,7 @@ def score(prob: Problem, choice, mem_weight: float = 0.0) -> float:
   consumer its reshard and no combined latency, so it can rank two plans
   the other way round."""
   ch = np.asarray(choice, dtype=np.int64)
-  t = prob.evaluate(ch).time_s
+  t = sum(prob.step_time(ch))
   if mem_weight:
     t += mem_weight * prob.out_bytes_flat[prob.node_off + ch].sum()
   return float(t)
@@ -728,11 +728,12 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
                      _groups_of(polish, choice), 0)
     sweeps += s3
     alt = _expand(polish, pch)
-    if score(prob, alt, mem_weight) <= score(prob, choice, mem_weight):
-      choice = alt
+    alt_score = score(prob, alt, mem_weight)
+    if alt_score <= best_obj:
+      choice, best_obj = alt, alt_score
   if not scoring:
     alt = polish_by_score(prob, choice, mem_weight)
-    if score(prob, alt, mem_weight) < score(prob, choice, mem_weight):
+    if score(prob, alt, mem_weight) < best_obj:
       choice = alt
   return SearchResult([int(c) for c in choice],
                       objective(prob, choice, mem_weight), name, sweeps,
