@@ -561,7 +561,7 @@ class Plan:
                if c not in members):
           return None
     # Segments: extend while every result used outside the segment is used
-    # after the segment's last op.
+    # after the segment's last op (a segment of one op always is).
     segments, cur = [], []
     for o in ids:
       seg = set(cur + [o])
@@ -583,12 +583,11 @@ class Plan:
     return regions
 
   def _segment(self, ids, members, key_of, codes) -> _lower.Region | None:
+    """One region of a chain (``members``): ``ids`` in program order, each
+    result used outside them used after the last (:meth:`_chain` cuts the
+    segments so)."""
     g = self.graph
     seg = set(ids)
-    if min((c for m in ids for t in g.ops[m].outs
-            for c, _ in g.tensors[t].consumers if c not in seg),
-           default=float("inf")) < ids[-1]:
-      return None  # used before the region's last op runs
     in_codes, stacked_in, slices = {}, {}, {}
     out_codes, reduce, stacked_out = {}, {}, {}
     for oid in ids:
@@ -615,16 +614,15 @@ class Plan:
         have = codes(oid, n_in + s)
         out_codes[(key, s)] = have
         consumers = g.tensors[t].consumers
-        if any(c in members and c not in seg for c, _ in consumers):
-          if P in have:
-            stacked_out[(key, s)] = have
-          else:
-            reduce[(key, s)] = ([], have)
+        later = any(c in members and c not in seg for c, _ in consumers)
         outside = [(c, cs) for c, cs in consumers if c not in members]
-        if not outside:
+        if P not in have:  # whole already: handed on as it is
+          if later or outside:
+            reduce[(key, s)] = ([], have)
           continue
-        if P not in have:
-          reduce[(key, s)] = ([], have)
+        if later:
+          stacked_out[(key, s)] = have
+        if not outside:
           continue
         wants = [codes(c, cs) for c, cs in outside]
         target = collections.Counter(wants).most_common(1)[0][0]
