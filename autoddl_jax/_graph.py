@@ -145,15 +145,39 @@ def eqn_flops(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],
     k = math.prod(ins[0].shape[d] for d in lc)
     return 2.0 * math.prod(outs[0].shape) * k
   if prim == "conv_general_dilated":
-    rhs = ins[1]
-    o = rhs.shape[params["dimension_numbers"].rhs_spec[0]]
-    return 2.0 * math.prod(outs[0].shape) * math.prod(rhs.shape) / max(o, 1)
+    return _conv_flops(ins[0].shape, ins[1].shape, outs[0].shape, params)
   if prim in ELEMENTWISE_FLOP:
     return float(sum(math.prod(o.shape) for o in outs))
   if prim.startswith("reduce") or prim.startswith("cum") or prim in (
       "argmax", "argmin", "select_and_scatter_add"):
     return float(math.prod(ins[0].shape))
   return 0.0
+
+
+def _conv_flops(lhs, rhs, out, params) -> float:
+  """A convolution's FLOPs as XLA's cost analysis counts them: per spatial
+  dim only the (output, kernel) position pairs that land on the input --
+  not on padding, nor between the points of a dilated input."""
+  dn = params["dimension_numbers"]
+  lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+  n = len(lhs_spec) - 2
+  strides = params.get("window_strides") or (1,) * n
+  padding = params.get("padding") or ((0, 0),) * n
+  base = params.get("lhs_dilation") or (1,) * n
+  wdil = params.get("rhs_dilation") or (1,) * n
+  valid = 1
+  for i in range(n):
+    size_in, size_k = lhs[lhs_spec[2 + i]], rhs[rhs_spec[2 + i]]
+    size_out = out[out_spec[2 + i]]
+    o = np.arange(size_out)[None, :] * strides[i] - padding[i][0]
+    idx = o + np.arange(size_k)[:, None] * wdil[i]
+    hit = (idx % base[i] == 0) & (idx >= 0) & (idx // base[i] < size_in)
+    valid *= int(hit.sum())
+  fgc = params.get("feature_group_count", 1) or 1
+  bgc = params.get("batch_group_count", 1) or 1
+  fma = (lhs[lhs_spec[1]] // fgc) * rhs[rhs_spec[0]] * (
+      lhs[lhs_spec[0]] // bgc) * valid
+  return 2.0 * fma
 
 
 class _Builder:
