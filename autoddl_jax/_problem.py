@@ -283,16 +283,18 @@ class Problem:
     return np.sort(first)
 
   def combined_latency(self, choice, keep=None) -> float:
-    """The latency of the combined all-reduces (see
-    :func:`combined_tensors`): once per loop body (trip count) and group of
-    mesh axes, as XLA's combiner leaves them."""
+    """The latency XLA's AllReduceCombiner leaves, as a correction to the
+    edges' own: the combined all-reduces (see :func:`combined_tensors`,
+    costed without latency) pay it once per loop body (trip count) and group
+    of mesh axes; all-reduces on the critical path (costed with theirs) that
+    do not depend on each other -- a BatchNorm's mean and mean of squares,
+    the statistics of parallel branches -- are merged too, so each one that
+    joins an earlier one gives its latency back."""
     ch = np.asarray(choice, dtype=np.int64)
     keep = self.distinct_reshards(ch) if keep is None else keep
-    mi, groups = self.mi, {}
+    mi, groups, critical = self.mi, {}, {}
     for i in keep:
       e = self.edges[i]
-      if e.tensor not in self.combined:
-        continue
       src = self.cands[e.prod][ch[e.prod]][e.prod_slot]
       dst = self.cands[e.cons][ch[e.cons]][e.cons_slot]
       if P_CODE not in src or src == dst:
@@ -302,9 +304,39 @@ class Problem:
         if kind == "all-reduce":
           axes = axes if isinstance(axes, tuple) else (axes,)
           p = int(np.prod([mi.axis_sizes[a] for a in axes]))
-          t = 2 * (p - 1) * max(mi.alpha[a] for a in axes)
-          groups[(e.weight, axes)] = t * e.weight
-    return float(sum(groups.values()))
+          t = 2 * (p - 1) * max(mi.alpha[a] for a in axes) * e.weight
+          if e.tensor in self.combined:
+            groups[(e.weight, axes)] = t
+          else:
+            critical.setdefault((e.tensor, e.weight, axes), t)
+    return float(sum(groups.values())) - self._merged_latency(critical)
+
+  def _merged_latency(self, critical) -> float:
+    """The latency given back by merging independent critical all-reduces
+    {(tensor, trip count, axes): latency}: in program order, each joins the
+    open group of its trip count and axes unless it depends on a member."""
+    if len(critical) < 2:
+      return 0.0
+    bit = {t: 1 << i for i, t in enumerate(sorted({k[0] for k in critical}))}
+    dep: dict[int, int] = {}  # tensor -> the reduced tensors it depends on
+    for op in self.graph.ops:
+      m = 0
+      for t in op.ins:
+        if t is not None:
+          m |= dep.get(t, 0) | bit.get(t, 0)
+      for t in op.outs:
+        dep[t] = m
+    saved, open_groups = 0.0, {}
+    order = sorted(critical, key=lambda k: self.graph.tensors[k[0]].producer)
+    for key in order:
+      t, w, axes = key
+      members = open_groups.get((w, axes))
+      if members is not None and not dep.get(t, 0) & members:
+        saved += critical[key]
+        open_groups[(w, axes)] = members | bit[t]
+      else:
+        open_groups[(w, axes)] = bit[t]
+    return saved
 
   def step_time(self, choice, keep=None) -> tuple[float, float]:
     """(compute s, communication s) of a plan: each distinct reshard once,
