@@ -17,7 +17,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec
 
-from autoddl_jax import _lower, _search
+from autoddl_jax import _lower, _propagate, _search
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
 from autoddl_jax._cluster import parse_bytes
 from autoddl_jax._cost import one_axis, transition_states
@@ -748,22 +748,33 @@ class Plan:
 
   def baseline_cost(self, kind: str = "dp") -> PlanCost:
     """What a textbook plan costs on the same mesh and cluster, for scale:
-    ``"dp"`` (parameters replicated, the batch split over every axis),
-    ``"fsdp"`` (parameters too split over every axis, ZeRO-3) or
-    ``"megatron"`` (matmul weights alternately column- and row-split over the
-    last axis, data parallel over the others); each completed by the same
-    search with those placements held."""
+    ``"dp"`` (parameters replicated, the batch split over every device)
+    completed as XLA's sharding propagation completes that boundary when a
+    user writes it (:mod:`autoddl_jax._propagate`: the devices as one
+    group, partial sums reduced where they are made); ``"fsdp"``
+    (parameters too split over every axis, ZeRO-3) or ``"megatron"``
+    (matmul weights alternately column- and row-split over the last axis,
+    data parallel over the others), each completed by the search with
+    those placements held."""
     if kind not in self._baselines:
-      if self._seeds is None:
-        out_to_in, _ = _state_ties(self._traced)
-        self._seeds = _seeds(self.problem, self.graph, self._traced,
-                             self.mesh_info, set(out_to_in.values()))
-      if kind not in BASELINES:
-        raise ValueError(f"unknown baseline {kind!r}; use 'dp', 'fsdp' or "
-                         "'megatron'")
-      res = _search.complete(self.problem, self._seeds[kind], kind)
-      self._baselines[kind] = PlanCost.of(self.problem.evaluate(res.choice))
+      choice = self.baseline_choice(kind)
+      ev = (_propagate.evaluate(self.problem, choice) if kind == "dp"
+            else self.problem.evaluate(choice))
+      self._baselines[kind] = PlanCost.of(ev)
     return self._baselines[kind]
+
+  def baseline_choice(self, kind: str = "dp") -> list[int]:
+    """The candidate per op of :meth:`baseline_cost`'s plan."""
+    if kind not in BASELINES:
+      raise ValueError(f"unknown baseline {kind!r}; use 'dp', 'fsdp' or "
+                       "'megatron'")
+    if self._seeds is None:
+      out_to_in, _ = _state_ties(self._traced)
+      self._seeds = _seeds(self.problem, self.graph, self._traced,
+                           self.mesh_info, set(out_to_in.values()))
+    if kind == "dp":
+      return _propagate.propagate(self.problem, self._seeds[kind])
+    return _search.complete(self.problem, self._seeds[kind], kind).choice
 
   def explain(self, max_rows: int = 40) -> str:
     """The plan as text: per argument its nd-SBP, ``PartitionSpec`` and bytes

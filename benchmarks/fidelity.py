@@ -45,7 +45,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
-from autoddl_jax import _search  # noqa: E402
+from autoddl_jax import _propagate  # noqa: E402
 from autoddl_jax._sbp import codes_to_spec  # noqa: E402
 from autoddl_jax._verify import compare_compiled, compile_plan  # noqa: E402
 
@@ -97,9 +97,8 @@ def _dp_baseline_ms(plan: ad.Plan) -> float:
   """``plan.baseline_cost("dp")`` with loop bodies' compute counted once
   (as XLA's cost_analysis counts it; see :func:`score`)."""
   prob = plan.problem
-  plan.baseline_cost("dp")  # builds the seeds
-  choice = _search.complete(prob, plan._seeds["dp"], "dp").choice  # noqa
-  ev = prob.evaluate(choice)
+  choice = plan.baseline_choice("dp")
+  ev = _propagate.evaluate(prob, choice)
   once = sum(prob.compute[o.id][choice[o.id]] / o.weight
              for o in plan.graph.ops if o.weight > 0)
   return (ev.comm_s + once) * 1e3
