@@ -510,8 +510,8 @@ class Plan:
 
   def _inner_steps(self, have, want) -> tuple[_lower.Reduction, ...] | None:
     """The local steps that take a partial sum made inside a chain from
-    ``have`` to the layout ``want`` of a consumer inside it: free slices of
-    replicated axes first, then reductions of the partial axes it no longer
+    ``have`` to the layout ``want`` of a consumer inside it: free slices
+    (and shares: B -> P) of replicated axes first, then reductions of the partial axes it no longer
     keeps (``psum``, ``psum_scatter``), as the cost model's path takes them;
     None if it takes more (or a split of a dim that is split already: out
     of tile order)."""
@@ -524,6 +524,8 @@ class Plan:
         return None
       if h == B and w >= 0:
         cut.append(("slice", (names[a],), w))
+      elif h == B and w == P:
+        cut.append(("own", (names[a],), None))
       elif h == P and w == B:
         red.append(("psum", (names[a],), None))
       elif h == P and w >= 0:
@@ -537,24 +539,24 @@ class Plan:
     ends before the op that would make one of its results wanted before the
     region's last op runs; partial sums a later region takes are handed to
     it stacked. None if the lowering cannot write the chain."""
-    g = self.graph
+    g, prob, ch = self.graph, self.problem, self.choice
     members = set(ids)
     ops = [g.ops[i] for i in ids]
-    if any(o.kind != "eqn" or o.prim not in _lower.REGION_OPS
-           or o.id not in key_of for o in ops):
+    if any(o.kind != "eqn" or o.id not in key_of or not _lower.runs_local(
+        o.prim, prob.cands[o.id][ch[o.id]]) for o in ops):
       return None
     if len({key_of[o.id][:-1] for o in ops}) != 1:
       return None  # members in different jaxprs
-    for o in ops:  # partial sums come in from no op outside the chain
+    for o in ops:  # partial sums come in only as a replicated value's share
       for j, t in enumerate(o.ins):
         if t is None:
           continue
         prod, ps = g.tensors[t].producer
+        have = codes(prod, len(g.ops[prod].ins) + ps)
         if prod in members:
-          if self._inner_steps(codes(prod, len(g.ops[prod].ins) + ps),
-                               codes(o.id, j)) is None:
+          if self._inner_steps(have, codes(o.id, j)) is None:
             return None
-        elif P in codes(o.id, j):
+        elif any(w == P and h != B for h, w in zip(have, codes(o.id, j))):
           return None
       for t in o.outs:
         if any(P in codes(c, cs) for c, cs in g.tensors[t].consumers
@@ -598,8 +600,12 @@ class Plan:
           continue
         prod, ps = g.tensors[t].producer
         want = codes(oid, j)
-        if prod not in members:
-          in_codes[(key, j)] = want
+        if prod not in members:  # whole; a partial want takes one share
+          in_codes[(key, j)] = tuple(B if w == P else w for w in want)
+          own = tuple(self.mesh_info.axis_names[a]
+                      for a, w in enumerate(want) if w == P)
+          if own:
+            slices[(key, j)] = (("own", own, None),)
           continue
         have = codes(prod, len(g.ops[prod].ins) + ps)
         if prod not in seg:

@@ -17,7 +17,8 @@ traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
 * partial sums run in *regions* (:class:`Region`): the ops that make them
   (``dot_general``, convolutions, ``reduce_sum``: :data:`LOCAL_REDUCE`) and
   the linear ops the plan carries them through (transpose, reshape, a
-  grouped sum, casts, adds: :data:`REGION_OPS`) run together on each
+  grouped sum, casts, adds: :data:`REGION_OPS`; the scatter-add of an
+  embedding's gradient: :func:`runs_local`) run together on each
   device's blocks inside one ``shard_map``, and each result used outside is
   reduced there, with ``psum``/``psum_scatter`` (and free slices) toward
   the layout most of its consumers want, along the model's path. GSPMD has
@@ -43,10 +44,13 @@ pinned once for every iteration; remat keeps its policy through
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -69,7 +73,26 @@ REGION_OPS = LOCAL_REDUCE | frozenset({
     "mul", "div", "add", "sub", "add_any", "squeeze", "copy", "copy_p",
     "select_n", "split", "concatenate", "cumsum"})
 
+# A local step on a block: ("psum" | "psum_scatter" | "slice" | "own",
+# mesh axes, dim). "own" makes a whole value a partial sum over its axes
+# (the first device keeps it, the others hold zeros: B -> P).
 Reduction = tuple[str, tuple[str, ...], "int | None"]
+
+_SCATTER_ADD = ("scatter-add", "scatter_add")
+
+
+def runs_local(prim: str, cand: Sequence[Codes]) -> bool:
+  """Whether an op with candidate ``cand`` (codes per slot) computes its
+  block of the result from its operands' blocks alone, so that a region
+  can run it: the :data:`REGION_OPS`, and a scatter-add whose operand is
+  split on no axis its updates are not (rows of a split table take
+  global indices; XLA masks them, a local scatter would not)."""
+  if prim in REGION_OPS:
+    return True
+  if prim in _SCATTER_ADD:
+    operand, _, updates = cand[:3]
+    return all(o < 0 or u >= 0 for o, u in zip(operand, updates))
+  return False
 
 
 class Pins:
@@ -303,6 +326,10 @@ def _apply_reductions(x, steps: Sequence[Reduction], mesh: Mesh):
       x = lax.psum(x, axes)
     elif kind == "psum_scatter":
       x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    elif kind == "own":  # a whole value as a partial sum: one addend
+      keep = functools.reduce(operator.and_, [lax.axis_index(a) == 0
+                                              for a in axes])
+      x = jnp.where(keep, x, jnp.zeros_like(x))
     else:  # a slice of a partial sum is the partial sum of the slice
       n = x.shape[dim] // mesh.shape[axes[0]]
       x = lax.dynamic_slice_in_dim(x, lax.axis_index(axes[0]) * n, n,
