@@ -600,18 +600,17 @@ class Plan:
           continue
         prod, ps = g.tensors[t].producer
         want = codes(oid, j)
-        if prod not in members:  # whole; a partial want takes one share
+        have = codes(prod, len(g.ops[prod].ins) + ps)
+        if prod not in seg and (prod not in members or P not in have):
+          # A whole value (from outside, or handed on by an earlier region)
+          # comes in; a partial want takes one device's share of it.
           in_codes[(key, j)] = tuple(B if w == P else w for w in want)
           own = tuple(self.mesh_info.axis_names[a]
                       for a, w in enumerate(want) if w == P)
           if own:
             slices[(key, j)] = (("own", own, None),)
           continue
-        have = codes(prod, len(g.ops[prod].ins) + ps)
         if prod not in seg:
-          if P not in have:
-            in_codes[(key, j)] = want
-            continue
           stacked_in[(key, j)] = have
         steps = self._inner_steps(have, want)
         if steps:
