@@ -360,6 +360,11 @@ class Problem:
     g = self.graph
     n = len(g.ops)
     self._live = []  # (tensor, producer op, slot, start, end)
+    live = [op.kind != "eqn" for op in g.ops]  # ops whose work is used
+    for op in reversed(g.ops):
+      if not live[op.id]:
+        live[op.id] = any(live[c] for t in op.outs
+                          for c, _ in g.tensors[t].consumers)
     for t in g.tensors:
       if t.producer is None:
         continue
@@ -367,6 +372,8 @@ class Problem:
       op = g.ops[p]
       if op.prim in MEMORY_ALIAS_OPS or op.kind == "const":
         continue
+      if not live[p]:
+        continue  # dead code (jax.nn.relu's unused zeros): XLA removes it
       if op.kind == "input":
         start, end = 0, n - 1
       else:

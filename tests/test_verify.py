@@ -28,3 +28,23 @@ def test_peak_bytes_counts_the_temporaries():
                              - mem.alias_size_in_bytes)
   assert peak_bytes(mem) >= (mem.argument_size_in_bytes
                              + mem.output_size_in_bytes + y_local)
+
+
+def test_dead_code_holds_no_memory():
+  # jax.nn.relu's jvp leaves an unused zeros broadcast in every train
+  # step's jaxpr; XLA removes it, so the model must not count it.
+  import autoddl_jax as ad
+  from autoddl_jax._verify import compile_plan
+
+  mesh = make_mesh((8,), explicit=False)
+
+  def f(x):
+    jnp.zeros((4096, 4096)) + 1.0  # dead: 64 MiB nobody reads
+    return (x * 2.0).sum()
+
+  x = jnp.ones((1024, 128), jnp.float32)
+  plan = ad.hand_plan(f, x, mesh=mesh, in_shardings=(P("data"),))
+  compiled, _ = compile_plan(plan)
+  xla = peak_bytes(compiled.memory_analysis())
+  assert xla < 2**20
+  assert plan.cost.memory_bytes < 2**20, plan.cost.memory_bytes
