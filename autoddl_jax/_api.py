@@ -455,6 +455,15 @@ class Plan:
           if path:
             inputs[(ctx, ("carry", carry))] = path
           carry += 1
+    # A scan's stacked results: the reshard into the layout they are
+    # stacked in is staged inside the body, per iteration, as costed (left
+    # to XLA, it stacks them as made and reshards the whole stack after the
+    # loop, on top of the per-iteration reshard another consumer needs).
+    for ctx, links in (g.exit_links.items() if inputs_too else ()):
+      for j, lid in enumerate(links):
+        path = staged(g.ops[lid].ins[0], prob.cands[lid][self.choice[lid]][0])
+        if path:
+          inputs[(ctx, ("ys", j))] = path
     for ctx, oid in (g.eqn_op.items() if inputs_too else ()):
       op = g.ops[oid]
       k = self.choice[oid]

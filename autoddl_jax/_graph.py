@@ -110,6 +110,10 @@ class OpGraph:
   # the body through (the lowering stages the reshard into it)
   entry_links: dict[tuple, list[int]] = dataclasses.field(
       default_factory=dict)
+  # ... and the link each of its stacked results (ys) leaves the body by
+  # (the lowering stages the reshard into it inside the body)
+  exit_links: dict[tuple, list[int]] = dataclasses.field(
+      default_factory=dict)
 
 
 def _aval(a) -> Aval:
@@ -189,6 +193,7 @@ class _Builder:
     self.unsupported: dict[str, int] = {}
     self.eqn_op: dict[tuple, int] = {}
     self.entry_links: dict[tuple, list[int]] = {}
+    self.exit_links: dict[tuple, list[int]] = {}
 
   def tensor(self, aval: Aval, name: str) -> int:
     t = Tensor(len(self.tensors), aval, name)
@@ -329,12 +334,14 @@ class _Builder:
       self.add_input(t, m, 1)
       results.append(self.link("~link", t, self.tensors[t].aval, weight,
                                weight))
+    ys = []
     for t in outs[ncar:]:
       a = self.tensors[t].aval
       outer = Aval((length, *a.shape), a.dtype)
-      results.append(self.link("~scan_ys", t, outer, inner_w, weight,
-                               _stack_sigs(a.rank)))
-    return results
+      ys.append(self.link("~scan_ys", t, outer, inner_w, weight,
+                          _stack_sigs(a.rank)))
+    self.exit_links[ctx] = [self.tensors[t].producer[0] for t in ys]
+    return results + ys
 
   def cond(self, eqn, ins, ctx, weight) -> list[int]:
     branches = eqn.params["branches"]
@@ -496,4 +503,5 @@ def build_graph(closed_jaxpr, in_names: Sequence[str],
         "not fast). Please report it.", UnsupportedPrimitiveWarning,
         stacklevel=3)
   return OpGraph(bld.tensors, bld.ops, bld.var_tensor, input_ops, output_ops,
-                 dict(bld.unsupported), bld.eqn_op, bld.entry_links)
+                 dict(bld.unsupported), bld.eqn_op, bld.entry_links,
+                 bld.exit_links)

@@ -458,7 +458,10 @@ def _scan(eqn, invals, ctx, pins):
     # The carry goes back to the layout it came in with, staged as costed.
     new = [pins.constrain_path(c, pins.inputs.get((ctx, ("carry", j))))
            for j, c in enumerate(outs[:ncar])]
-    return new, outs[ncar:]
+    # and each stacked result to the layout it is stacked in.
+    ys = [pins.constrain_path(y, pins.inputs.get((ctx, ("ys", j))))
+          for j, y in enumerate(outs[ncar:])]
+    return new, ys
 
   kw = {}
   if "_split_transpose" in p:

@@ -150,3 +150,38 @@ def test_a_partial_sum_is_scattered_into_the_table_before_it_is_reduced():
   reduced = [c.operand_shapes[0] for c in _hlo.collectives(compiled)
              if c.kind in ("all-reduce", "reduce-scatter")]
   assert reduced and all(s == (16, 32) for s in reduced), reduced
+
+
+def test_a_stacked_result_is_resharded_inside_the_loop():
+  # A scan's stacked result that the plan stacks in another layout than
+  # the body makes it: the reshard is pinned inside the body, per
+  # iteration, as costed. Left to XLA with only the loop's result pinned,
+  # it stacks the values as made and reshards the whole stack after the
+  # loop (the zoo Llama's backward: 128 MiB gathered on top of the
+  # per-iteration gathers another consumer needed).
+  from jax.sharding import NamedSharding
+
+  from autoddl_jax import _lower
+  mesh = make_mesh((8,), explicit=False)
+  xs = jax.random.normal(jax.random.key(9), (4, 64, 32), jnp.float32)
+
+  def f(xs):
+    return jax.lax.scan(lambda c, x: (c, jnp.sin(x)), 0.0, xs)[1]
+
+  closed = jax.make_jaxpr(f)(xs)
+  (scan,) = closed.jaxpr.eqns
+  ys = scan.outvars[-1]
+  for staged in (False, True):
+    inputs = {((0,), ("ys", 0)): ((-1,),)} if staged else {}
+    pins = _lower.Pins(mesh, {((), ys): (-1,)}, inputs, {}, {})
+    run = jax.jit(lambda xs: _lower.interpret(
+        closed.jaxpr, closed.consts, [xs], (), pins)[0],
+        in_shardings=NamedSharding(mesh, P(None, "data")))
+    compiled = run.lower(xs).compile()
+    assert rel_err(compiled(xs), f(xs)) <= 1e-6
+    gathers = [(c.operand_shapes[0], c.count)
+               for c in _hlo.collectives(compiled) if c.kind == "all-gather"]
+    if staged:
+      assert gathers == [((8, 32), 4)], gathers
+    else:
+      assert gathers and all(count == 1 for _, count in gathers), gathers
