@@ -13,11 +13,13 @@ baseline must name. :func:`propagate` is the plan XLA builds:
 
 * ops are visited in program order; each takes, among its candidates whose
   every slot is split the same way on every mesh axis (the devices as one
-  group), the one that changes the fewest operands' concrete layouts (a
-  partial sum's reduction is not a change: it must happen somewhere), then
-  the cheapest by compute and resharding from its decided neighbours, then
-  the one with the fewest split results (sources of values -- constants,
-  iotas, zeros -- stay replicated and are sliced for free by their users);
+  group), by priority: a partial sum it receives reduced to replicated (as
+  GSPMD reduces at the op that made it), the fewest split operands moved,
+  the fewest replicated operands sliced (a replicated operand adapts to a
+  split one, not the reverse), the cheapest by compute and resharding from
+  its decided neighbours, and the fewest split results (sources of values
+  -- constants, iotas, zeros -- stay replicated and are sliced for free by
+  their users);
 * pinned ops (the boundary) and their coordinates keep their candidates.
 
 :func:`evaluate` costs such a plan with the devices as one group: a reshard
@@ -44,7 +46,7 @@ def _uniform(codes) -> bool:
   return all(c == codes[0] for c in codes)
 
 
-def replicated(codes) -> tuple[int, ...]:
+def _replicated(codes) -> tuple[int, ...]:
   return tuple(B for _ in codes)
 
 
@@ -81,7 +83,7 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
           cost += e.weight * e.space.time[src, dst]
           have = states[ei][src]
           if P in have:
-            bad += np.array([states[ei][d] != replicated(have)
+            bad += np.array([states[ei][d] != _replicated(have)
                              for d in dst])
           elif all(c == B for c in have):
             sliced += dst != src
