@@ -520,10 +520,10 @@ class Plan:
   def _inner_steps(self, have, want) -> tuple[_lower.Reduction, ...] | None:
     """The local steps that take a partial sum made inside a chain from
     ``have`` to the layout ``want`` of a consumer inside it: free slices
-    (and shares: B -> P) of replicated axes first, then reductions of the partial axes it no longer
-    keeps (``psum``, ``psum_scatter``), as the cost model's path takes them;
-    None if it takes more (or a split of a dim that is split already: out
-    of tile order)."""
+    (and shares: B -> P) of replicated axes first, then reductions of the
+    partial axes it no longer keeps (``psum``, ``psum_scatter``), as the
+    cost model's path takes them; None if it takes more (or a split of a
+    dim that is split already: out of tile order)."""
     names = self.mesh_info.axis_names
     cut, red = [], []
     for a, (h, w) in enumerate(zip(have, want)):
@@ -613,11 +613,11 @@ class Plan:
         if prod not in seg and (prod not in members or P not in have):
           # A whole value (from outside, or handed on by an earlier region)
           # comes in; a partial want takes one device's share of it.
-          in_codes[(key, j)] = tuple(B if w == P else w for w in want)
-          own = tuple(self.mesh_info.axis_names[a]
-                      for a, w in enumerate(want) if w == P)
-          if own:
-            slices[(key, j)] = (("own", own, None),)
+          whole = tuple(B if w == P else w for w in want)
+          in_codes[(key, j)] = whole
+          steps = self._inner_steps(whole, want)
+          if steps:
+            slices[(key, j)] = steps
           continue
         if prod not in seg:
           stacked_in[(key, j)] = have

@@ -338,22 +338,31 @@ class Problem:
         open_groups[(w, axes)] = bit[t]
     return saved
 
-  def step_time(self, choice, keep=None) -> tuple[float, float]:
+  def step_time(self, choice, keep=None, edge_time=None
+                ) -> tuple[float, float]:
     """(compute s, communication s) of a plan: each distinct reshard once,
-    the combined all-reduces' latency once per group."""
+    the combined all-reduces' latency once per group. ``edge_time``: the
+    per-edge time to charge instead of :meth:`edge_costs`'s."""
     ch = np.asarray(choice, dtype=np.int64)
     compute = float(self.compute_flat[self.node_off + ch].sum())
     keep = self.distinct_reshards(ch) if keep is None else keep
-    comm = float(self.edge_costs(ch)[keep].sum()) + \
-        self.combined_latency(ch, keep)
+    t = self.edge_costs(ch) if edge_time is None else edge_time
+    comm = float(t[keep].sum()) + self.combined_latency(ch, keep)
     return compute, comm
 
-  def evaluate(self, choice: Sequence[int]) -> Evaluation:
+  def evaluate(self, choice: Sequence[int], keep=None,
+               edge_costs: tuple[np.ndarray, np.ndarray] | None = None
+               ) -> Evaluation:
+    """Time, bytes and peak memory of a plan. ``keep`` (the distinct
+    reshards) and ``edge_costs`` (per-edge time and bytes) replace what
+    the plan's own layouts give (``_propagate.evaluate``: the devices as
+    one group)."""
     ch = np.asarray(choice, dtype=np.int64)
-    keep = self.distinct_reshards(ch)
-    compute, comm = self.step_time(ch, keep)
-    comm_b = float(self.edge_costs(ch, "bytes")[keep].sum())
-    return Evaluation(compute + comm, compute, comm, comm_b,
+    keep = self.distinct_reshards(ch) if keep is None else keep
+    t, b = edge_costs if edge_costs is not None else (
+        None, self.edge_costs(ch, "bytes"))
+    compute, comm = self.step_time(ch, keep, t)
+    return Evaluation(compute + comm, compute, comm, float(b[keep].sum()),
                       self.peak_memory(choice))
 
   def _liveness(self):

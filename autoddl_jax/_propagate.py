@@ -134,7 +134,4 @@ def evaluate(prob: Problem, choice: Sequence[int]) -> Evaluation:
         ti, bi = transition((src[0],), (dst[0],), e.space.nbytes,
                             e.space.shape, m)
         t[i], b[i] = e.weight * ti, e.weight * bi
-  compute = float(prob.compute_flat[prob.node_off + ch].sum())
-  comm = float(t[keep].sum()) + prob.combined_latency(ch, keep)
-  return Evaluation(compute + comm, compute, comm, float(b[keep].sum()),
-                    prob.peak_memory(ch))
+  return prob.evaluate(ch, keep, (t, b))
