@@ -378,6 +378,7 @@ class Plan:
     self.out_shardings = self._shard_tree(self.out_specs, mesh)
     self._seeds = seeds  # the textbook placements (made on first use if None)
     self._baselines: dict[str, PlanCost] = {}
+    self._baseline_choices: dict[str, list[int]] = {}
 
   def _op_codes(self, op: int) -> tuple[int, ...]:
     return self.problem.cands[op][self.choice[op]][0]
@@ -782,13 +783,18 @@ class Plan:
     if kind not in BASELINES:
       raise ValueError(f"unknown baseline {kind!r}; use 'dp', 'fsdp' or "
                        "'megatron'")
+    if kind in self._baseline_choices:
+      return list(self._baseline_choices[kind])
     if self._seeds is None:
       out_to_in, _ = _state_ties(self._traced)
       self._seeds = _seeds(self.problem, self.graph, self._traced,
                            self.mesh_info, set(out_to_in.values()))
     if kind == "dp":
-      return _propagate.propagate(self.problem, self._seeds[kind])
-    return _search.complete(self.problem, self._seeds[kind], kind).choice
+      choice = _propagate.propagate(self.problem, self._seeds[kind])
+    else:
+      choice = _search.complete(self.problem, self._seeds[kind], kind).choice
+    self._baseline_choices[kind] = choice
+    return list(choice)
 
   def explain(self, max_rows: int = 40) -> str:
     """The plan as text: per argument its nd-SBP, ``PartitionSpec`` and bytes

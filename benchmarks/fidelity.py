@@ -45,7 +45,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
-from autoddl_jax import _propagate  # noqa: E402
 from autoddl_jax._sbp import codes_to_spec  # noqa: E402
 from autoddl_jax._verify import compare_compiled, compile_plan  # noqa: E402
 
@@ -98,10 +97,9 @@ def _dp_baseline_ms(plan: ad.Plan) -> float:
   (as XLA's cost_analysis counts it; see :func:`score`)."""
   prob = plan.problem
   choice = plan.baseline_choice("dp")
-  ev = _propagate.evaluate(prob, choice)
   once = sum(prob.compute[o.id][choice[o.id]] / o.weight
              for o in plan.graph.ops if o.weight > 0)
-  return (ev.comm_s + once) * 1e3
+  return (plan.baseline_cost("dp").comm_s + once) * 1e3
 
 
 def _user_dp_ms(case, mesh, plan: ad.Plan, cluster: ad.Cluster) -> float:
