@@ -103,7 +103,7 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
   return [int(c) for c in choice]
 
 
-def one_group(mi: MeshInfo) -> MeshInfo:
+def _one_group(mi: MeshInfo) -> MeshInfo:
   """The mesh's devices as one axis, at the slowest of its links."""
   links = set(mi.link)
   return dataclasses.replace(
@@ -121,7 +121,7 @@ def evaluate(prob: Problem, choice: Sequence[int]) -> Evaluation:
   t, b = prob.edge_costs(ch), prob.edge_costs(ch, "bytes")
   mi = prob.mi
   if mi.ndim > 1:
-    flat = one_group(mi)
+    flat = _one_group(mi)
     flat_combined = dataclasses.replace(flat, combined=True)
     for i in keep:
       if b[i] <= 0:
