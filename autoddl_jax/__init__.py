@@ -29,12 +29,16 @@ from autoddl_jax._sbp import P as P
 from autoddl_jax._sbp import NdSbp as NdSbp
 from autoddl_jax._sbp import S as S
 from autoddl_jax._sbp import Sbp as Sbp
+from autoddl_jax._select import Candidate as Candidate
+from autoddl_jax._select import Selection as Selection
+from autoddl_jax._verify import CompiledScore as CompiledScore
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "B", "Cluster", "Collective", "H100_NODE", "MemoryBudgetError", "NdSbp",
-    "P", "Plan", "PlanCost", "PlanFileError", "S", "Sbp",
+    "B", "Candidate", "Cluster", "Collective", "CompiledScore", "H100_NODE",
+    "MemoryBudgetError", "NdSbp", "P", "Plan", "PlanCost", "PlanFileError",
+    "S", "Sbp", "Selection",
     "UnsupportedPrimitiveWarning", "auto_shard", "checkpoint", "collectives",
     "cost_of", "distributed", "hand_plan", "load_plan", "plan",
 ]

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec
 
-from autoddl_jax import _lower, _propagate, _search
+from autoddl_jax import _lower, _propagate, _search, _select
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
 from autoddl_jax._cluster import parse_bytes
 from autoddl_jax._cost import one_axis, transition_states
@@ -328,14 +329,22 @@ def _seed_codes(kind: str, shape, sizes, is_state: bool) -> tuple[int, ...]:
           div[d] *= sizes[a]
           break
     return tuple(out)
-  if kind in ("tp_col", "tp_row") and rank >= 2:
-    d = -1 if kind == "tp_col" else -2
-    return _split_codes(shape, sizes, [(n - 1, d)])
+  if kind.endswith(("tp_col", "tp_row")) and rank >= 2:
+    d = (-1 if kind.endswith("tp_col") else -2) % rank
+    axes_dims = [(n - 1, d)]
+    if kind.startswith("fsdp_"):
+      # FSDP+TP (MaxText's fsdp x tensor): the other axes split the largest
+      # dim the tensor-parallel axis leaves whole.
+      other = min((x for x in range(rank) if x != d),
+                  key=lambda x: (-shape[x], x))
+      axes_dims += [(a, other) for a in range(n - 1)]
+    return _split_codes(shape, sizes, axes_dims)
   return (B,) * n
 
 
 SEEDS = ("dp", "fsdp")  # + "megatron" (its own builder) + the user's
-BASELINES = (*SEEDS, "megatron")  # what Plan.baseline_cost can score
+BASELINES = (*SEEDS, "megatron", "fsdp_tp")  # what baseline_cost scores
+TEXTBOOK = BASELINES  # the plans selection compiles as a user writes them
 
 
 # -------------------------------------------------------------------- plan
@@ -349,20 +358,39 @@ class Plan:
       ``(*args with only those objects, the step's result)``: their new state
       is part of the planned program.
     cost: the predicted :class:`PlanCost` per device per step.
-    search_seconds: wall time of the search.
+    lowering: how :meth:`jit` writes the plan for XLA: ``"pinned"`` (every
+      layout the plan chose is pinned, partial sums are reduced where the
+      plan reduces them) or ``"boundary"`` (only the in/out shardings, as a
+      user writes a textbook plan: XLA's propagation does the rest).
+    source: where the plan came from: ``"search"``, ``"search:<start>"``
+      (another start's best) or a textbook kind (``"dp"``, ``"fsdp"``,
+      ``"megatron"``, ``"fsdp_tp"``).
+    selection: how the plan was chosen (:class:`Selection`): by the compiled
+      program among candidates, or by the cost model alone.
+    search_seconds: wall time of the search; ``selection.seconds`` is the
+      time spent compiling candidates, apart from it.
   """
 
   def __init__(self, *, fn, mesh, mi: MeshInfo, cluster: Cluster,
                traced: _Traced, graph: OpGraph, problem: Problem,
                choice: Sequence[int], search: _search.SearchResult | None,
                search_seconds: float,
-               seeds: Mapping[str, Mapping[int, int]] | None = None):
+               seeds: Mapping[str, Mapping[int, int]] | None = None,
+               lowering: str = "pinned", source: str = "search",
+               selection: _select.Selection | None = None):
+    if lowering not in _select.LOWERINGS:
+      raise ValueError(f"lowering must be one of {_select.LOWERINGS}, got "
+                       f"{lowering!r}")
     self.fn, self.mesh, self.mesh_info, self.cluster = fn, mesh, mi, cluster
     self._traced, self.graph, self.problem = traced, graph, problem
     self.choice = list(choice)
     self.search = search
     self.search_seconds = search_seconds
-    self.cost = PlanCost.of(problem.evaluate(self.choice))
+    self.lowering, self.source, self.selection = lowering, source, selection
+    # DP as a user writes it is what XLA's propagation makes of it.
+    self.cost = PlanCost.of(
+        _propagate.evaluate(problem, self.choice) if source == "dp"
+        else problem.evaluate(self.choice))
     names = mi.axis_names
     self.in_sbps = [NdSbp.from_codes(self._op_codes(o))
                     for o in graph.input_ops]
@@ -656,12 +684,15 @@ class Plan:
     """The planned step as a ``jax.jit`` function (call it, or ``.lower``).
 
     ``pin_inputs`` also pins each op's operands where the plan reshards them
-    (else only op results are pinned and XLA picks where to reshard).
+    (else only op results are pinned and XLA picks where to reshard). A plan
+    with ``lowering="boundary"`` pins nothing inside.
     """
     mesh = self._auto_mesh()
     tr = self._traced
-    fn = _lower.planned_function(tr.closed, tr.in_tree, tr.out_tree,
-                                 self._pins(mesh, pin_inputs), tr.in_names)
+    pins = (self._pins(mesh, pin_inputs) if self.lowering == "pinned"
+            else _lower.Pins(mesh, {}, {}, {}))
+    fn = _lower.planned_function(tr.closed, tr.in_tree, tr.out_tree, pins,
+                                 tr.in_names)
     in_sh = self._shard_tree(self.in_specs, mesh)
     jitted = jax.jit(fn, in_shardings=in_sh,
                      out_shardings=self._shard_tree(self.out_specs, mesh),
@@ -767,10 +798,12 @@ class Plan:
     completed as XLA's sharding propagation completes that boundary when a
     user writes it (:mod:`autoddl_jax._propagate`: the devices as one
     group, partial sums reduced where they are made); ``"fsdp"``
-    (parameters too split over every axis, ZeRO-3) or ``"megatron"``
+    (parameters too split over every axis, ZeRO-3), ``"megatron"``
     (matmul weights alternately column- and row-split over the last axis,
-    data parallel over the others), each completed by the search with
-    those placements held."""
+    data parallel over the others) or ``"fsdp_tp"`` (Megatron's layout with
+    each weight's largest other dim split over the other axes, as
+    MaxText's fsdp x tensor rules), each completed by the search with those
+    placements held."""
     if kind not in self._baselines:
       choice = self.baseline_choice(kind)
       ev = (_propagate.evaluate(self.problem, choice) if kind == "dp"
@@ -781,20 +814,53 @@ class Plan:
   def baseline_choice(self, kind: str = "dp") -> list[int]:
     """The candidate per op of :meth:`baseline_cost`'s plan."""
     if kind not in BASELINES:
-      raise ValueError(f"unknown baseline {kind!r}; use 'dp', 'fsdp' or "
-                       "'megatron'")
+      raise ValueError(f"unknown baseline {kind!r}; use one of "
+                       f"{', '.join(map(repr, BASELINES))}")
     if kind in self._baseline_choices:
       return list(self._baseline_choices[kind])
-    if self._seeds is None:
-      out_to_in, _ = _state_ties(self._traced)
-      self._seeds = _seeds(self.problem, self.graph, self._traced,
-                           self.mesh_info, set(out_to_in.values()))
-    if kind == "dp":
-      choice = _propagate.propagate(self.problem, self._seeds[kind])
-    else:
-      choice = _search.complete(self.problem, self._seeds[kind], kind).choice
+    choice = (_propagate.propagate(self.problem, self.textbook_pins(kind))
+              if kind == "dp" else _search.complete(
+                  self.problem, self.textbook_pins(kind), kind).choice)
     self._baseline_choices[kind] = choice
     return list(choice)
+
+  def textbook_pins(self, kind: str) -> dict[int, int]:
+    """{input op: candidate} of a textbook plan's boundary (the search's
+    seeds, and FSDP+TP)."""
+    out_to_in, _ = _state_ties(self._traced)
+    state = set(out_to_in.values())
+    if self._seeds is None:
+      self._seeds = _seeds(self.problem, self.graph, self._traced,
+                           self.mesh_info, state)
+    if kind == "fsdp_tp" and kind not in self._seeds:
+      self._seeds = {**self._seeds, kind: _megatron_seed(
+          self.problem, self.graph, self._traced, self.mesh_info, state,
+          fsdp=True)}
+    return dict(self._seeds[kind])
+
+  def textbook(self, kind: str) -> Plan:
+    """A textbook plan (:meth:`baseline_cost`'s kinds) on the same program,
+    mesh and cluster, lowered as a user writes it: its in/out shardings
+    only, XLA propagating the rest (``lowering="boundary"``)."""
+    return self._variant(self.baseline_choice(kind), "boundary", kind)
+
+  def _variant(self, choice, lowering: str, source: str) -> Plan:
+    p = Plan(fn=self.fn, mesh=self.mesh, mi=self.mesh_info,
+             cluster=self.cluster, traced=self._traced, graph=self.graph,
+             problem=self.problem, choice=choice, search=self.search,
+             search_seconds=self.search_seconds, seeds=self._seeds,
+             lowering=lowering, source=source)
+    p._baselines, p._baseline_choices = self._baselines, \
+        self._baseline_choices
+    return p
+
+  def _program_key(self, lowering: str):
+    """What a candidate compiles to: equal keys, equal programs."""
+    if lowering == "pinned":
+      return ("pinned", tuple(self.choice))
+    leaves = lambda t: tuple(str(x) for x in jax.tree_util.tree_leaves(  # noqa
+        t, is_leaf=lambda y: isinstance(y, PartitionSpec)))
+    return ("boundary", leaves(self.in_specs), leaves(self.out_specs))
 
   def explain(self, max_rows: int = 40) -> str:
     """The plan as text: per argument its nd-SBP, ``PartitionSpec`` and bytes
@@ -827,6 +893,15 @@ class Plan:
     if self.search is not None:
       lines.append(f"search: best start {self.search.seed!r}, "
                    f"{self.search_seconds:.2f} s")
+    sel = self.selection
+    if sel is not None and sel.mode == "compiled":
+      won = sel.candidates[sel.winner]
+      lines.append(f"selected by the compiled program: {won.name} "
+                   f"({won.lowering} lowering), {sel.reason}; "
+                   f"{sel.seconds:.1f} s compiling candidates")
+      lines.append(_table(sel.table()))
+    elif sel is not None:
+      lines.append(f"selected by the cost model: {sel.reason}")
     rows = [("argument", "shape", "nd-SBP", "PartitionSpec", "bytes/device")]
     for name, a, s in zip(self.user_paths(), self._traced.in_avals,
                           self.in_sbps):
@@ -1036,9 +1111,10 @@ def _pins_for(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
 
 
 def _megatron_seed(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
-                   state: set[int]) -> dict[int, int]:
+                   state: set[int], fsdp: bool = False) -> dict[int, int]:
   """Matmul weights alternate column- and row-parallel on the last mesh axis
-  in the order the program first uses them; data splits over the others."""
+  in the order the program first uses them; data splits over the others
+  (and with ``fsdp``, so does each weight's largest other dim: FSDP+TP)."""
   first_use = {}
   for i, o in enumerate(graph.input_ops):
     t = graph.tensors[graph.ops[o].outs[0]]
@@ -1053,7 +1129,8 @@ def _megatron_seed(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
     if not tr.splittable[i]:
       return None
     k = kind.get(int(prob.group_of[graph.input_ops[i]]), "tp_col")
-    return _seed_codes(k, tr.in_avals[i].shape, mi.axis_sizes, i in state)
+    return _seed_codes("fsdp_" + k if fsdp else k, tr.in_avals[i].shape,
+                       mi.axis_sizes, i in state)
 
   return _pins_for(prob, graph, tr, mi, codes)
 
@@ -1082,9 +1159,15 @@ def _seeds(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
   return seeds
 
 
+SELECT_ENV = "AUTODDL_JAX_SELECT"  # the default of plan(select=...)
+SELECT_SECONDS = 120.0
+
+
 def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
          cluster: Cluster | None = None, memory_budget: float | None = None,
-         verbose: bool | None = None) -> Plan:
+         verbose: bool | None = None, select: str | None = None,
+         select_seconds: float = SELECT_SECONDS,
+         alternatives: int = 2) -> Plan:
   """Finds a sharding plan for ``fn(*args)`` on ``mesh``.
 
   Args:
@@ -1098,8 +1181,23 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     memory_budget: bytes per device the plan's peak memory must fit in: a
       number or a string such as ``"16GiB"`` or ``"512MB"``.
     verbose: print the search's progress to stderr (one line per start and
-      round, with the best cost so far); by default only when stderr is a
-      terminal, so scripts, logs and tests stay quiet.
+      round, with the best cost so far, and per compiled candidate); by
+      default only when stderr is a terminal, so scripts, logs and tests
+      stay quiet.
+    select: how the plan is chosen. ``"compiled"`` (the default for a
+      concrete mesh): the search's plan (lowered with all its pins, and with
+      its boundary only), the best plans of ``alternatives`` other starts
+      and the textbook plans (DP, FSDP, Megatron, FSDP+TP as a user writes
+      them) are compiled abstractly, and the plan whose compiled program is
+      fastest on ``cluster`` within the budget is returned
+      (:mod:`autoddl_jax._select`; ``plan.explain()`` shows them all).
+      ``"model"``: the cost model's plan, nothing compiled (the default for
+      an abstract mesh, which has no devices to compile for). The
+      environment variable ``AUTODDL_JAX_SELECT`` sets the default.
+    select_seconds: compiling stops starting new candidates after this
+      many seconds (the first is always compiled; multi-process runs
+      compile all, to keep one plan on every process).
+    alternatives: how many other starts' plans to compile (>= 0).
 
   Returns:
     A :class:`Plan`.
@@ -1107,6 +1205,14 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
   t0 = time.perf_counter()
   if memory_budget is not None:
     memory_budget = parse_bytes(memory_budget, "memory_budget")
+  select = _select_mode(select, mesh)
+  if not (isinstance(select_seconds, (int, float)) and select_seconds >= 0):
+    raise ValueError(f"select_seconds must be a number >= 0, got "
+                     f"{select_seconds!r}")
+  if isinstance(alternatives, bool) or not isinstance(alternatives, int) \
+      or alternatives < 0:
+    raise ValueError(f"alternatives must be an int >= 0, got "
+                     f"{alternatives!r}")
   cluster, mesh, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster)
   seeds = _seeds(prob, graph, tr, mi, state)
   if any(s is not None for s in tr.shardings):
@@ -1127,11 +1233,91 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
   res = _search.coordinate_descent(prob, seeds, progress=progress,
                                    polish=getattr(prob, "untied", None))
   choice = res.choice
+  over = None  # why no plan fits the budget by the model, if none does
   if memory_budget is not None:
-    choice, res = _fit_budget(prob, seeds, res, float(memory_budget), progress)
-  return Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
+    try:
+      choice, res = _fit_budget(prob, seeds, res, float(memory_budget),
+                                progress)
+    except _NoFit as e:
+      if select == "model":
+        raise MemoryBudgetError(str(e)) from None
+      # The model's memory is an estimate: the compiled programs decide.
+      over, choice, res = e, e.result.choice, e.result
+  best = Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
               problem=prob, choice=choice, search=res,
               search_seconds=time.perf_counter() - t0, seeds=seeds)
+  if select == "model":
+    best.selection = _select.Selection("model", (
+        "abstract mesh: no devices to compile for" if not isinstance(
+            mesh, Mesh) else "select='model'"))
+    return best
+  chosen = _select_compiled(best, memory_budget, float(select_seconds),
+                            alternatives, verbose)
+  sel = chosen.selection
+  if memory_budget is not None and (sel.winner is None or not
+                                    sel.candidates[sel.winner].fits):
+    peaks = [c.compiled.memory_bytes for c in sel.candidates
+             if c.compiled is not None and c.compiled.memory_bytes]
+    raise MemoryBudgetError(
+        (str(over) if over is not None else
+         f"no plan fits memory_budget={_fmt_bytes(memory_budget)} per "
+         "device by the compiled programs") +
+        (f" By memory_analysis, the smallest compiled candidate needs "
+         f"{_fmt_bytes(min(peaks))}." if peaks else ""))
+  return chosen
+
+
+def _select_mode(select: str | None, mesh) -> str:
+  concrete = isinstance(mesh, Mesh)
+  if select is None:
+    env = os.environ.get(SELECT_ENV)
+    if env not in (None, "", "compiled", "model"):
+      raise ValueError(f"{SELECT_ENV}={env!r}: use 'compiled' or 'model'")
+    select = env or ("compiled" if concrete else "model")
+    if not concrete:
+      select = "model"
+  if select not in ("compiled", "model"):
+    raise ValueError(f"select must be 'compiled' or 'model', got {select!r}")
+  if select == "compiled" and not concrete:
+    raise ValueError(
+        "select='compiled' needs a concrete jax.sharding.Mesh to compile "
+        "for; this mesh is abstract. Plan with select='model' (the default "
+        "for an abstract mesh), or pass a Mesh of devices (jax.make_mesh).")
+  return select
+
+
+def _select_compiled(best: Plan, budget: float | None, seconds: float,
+                     alternatives: int, verbose: bool) -> Plan:
+  """:func:`plan`'s ``select="compiled"``: the candidates, compiled, and
+  the winner with its :class:`Selection`."""
+  cands = [("search", "pinned", best),
+           ("search", "boundary",
+            best._variant(best.choice, "boundary", "search"))]
+  cands += [(k, "boundary", best.textbook(k)) for k in TEXTBOOK]
+  alts = list(best.search.alternatives.items())[:alternatives] \
+      if best.search is not None else []
+  cands += [(f"search:{start}", "pinned",
+             best._variant(ch, "pinned", f"search:{start}"))
+            for start, ch in alts]
+  progress = None
+  if verbose:
+    progress = lambda msg: print(f"[autoddl_jax] {msg}",  # noqa: E731
+                                 file=sys.stderr, flush=True)
+  win, sel = _select.select(cands, budget=budget, time_limit=seconds,
+                            key=lambda p, low: p._program_key(low),
+                            progress=progress)
+  chosen = best if win is None else cands[win][2]
+  chosen.selection = sel
+  return chosen
+
+
+class _NoFit(Exception):
+  """No plan the search found fits the budget by the model (the message is
+  :class:`MemoryBudgetError`'s; ``result`` is the smallest plan found)."""
+
+  def __init__(self, message: str, result: _search.SearchResult):
+    super().__init__(message)
+    self.result = result
 
 
 def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
@@ -1185,11 +1371,11 @@ def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
     peak, r = smallest
     big = ", ".join(f"{name} {shape} {_fmt_bytes(b)}"
                     for b, name, shape in prob.largest_tensors(r.choice))
-    raise MemoryBudgetError(
+    raise _NoFit(
         f"no plan fits memory_budget={_fmt_bytes(budget)} per device: the "
         f"smallest plan found needs {_fmt_bytes(peak)}. Largest tensors per "
         f"device in it: {big}. Use more devices, a smaller batch, remat, or a "
-        "larger budget.")
+        "larger budget.", r)
   time_s, _, best_fit = min(fits, key=lambda f: f[:2])
   best_fit.objective = time_s
   return best_fit.choice, best_fit

@@ -68,7 +68,8 @@ class AutoShard:
 
   def __init__(self, fn: Callable, mesh: Mesh | None, cluster: Cluster | None,
                memory_budget: float | None, donate_argnums: Sequence[int],
-               verbose: bool | None, cache_size: int):
+               verbose: bool | None, cache_size: int,
+               select: str | None = None):
     functools.update_wrapper(self, fn)
     self._fn = fn
     self._mesh = mesh
@@ -76,6 +77,7 @@ class AutoShard:
     self._budget = memory_budget
     self._donate = tuple(donate_argnums)
     self._verbose = verbose
+    self._select = select
     self._lock = threading.Lock()
     self.cache_size = cache_size
     self.plans: collections.OrderedDict[Any, Plan] = collections.OrderedDict()
@@ -115,7 +117,8 @@ class AutoShard:
         abstract = [a if i in static else jax.tree.map(
             lambda x: _abstract(x, self.mesh), a) for i, a in enumerate(args)]
         p = make_plan(fn, *abstract, mesh=self.mesh, cluster=self._cluster,
-                      memory_budget=self._budget, verbose=self._verbose)
+                      memory_budget=self._budget, verbose=self._verbose,
+                      select=self._select)
         if jax.process_count() > 1:  # one plan everywhere, before compiling
           from autoddl_jax.distributed import check_same_plan
           check_same_plan(p)
@@ -163,7 +166,8 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
                cluster: Cluster | None = None,
                memory_budget: float | None = None,
                donate_argnums: int | Sequence[int] = (),
-               verbose: bool | None = None, cache_size: int = 16) -> Any:
+               verbose: bool | None = None, cache_size: int = 16,
+               select: str | None = None) -> Any:
   """Plans a step's sharding on first call and runs it with ``jax.jit``.
 
   Use as ``@ad.auto_shard(mesh=mesh)``, bare as ``@ad.auto_shard`` (one
@@ -188,6 +192,9 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
     cache_size: how many argument signatures keep their plan and jitted
       function (least recently used dropped first); ``step.cache_clear()``
       drops them all.
+    select: how each plan is chosen, as :func:`autoddl_jax.plan` takes it
+      (default: by the compiled program, which compiles a few candidates on
+      the first call of each signature; ``"model"`` compiles only the plan).
   """
   if isinstance(donate_argnums, int):
     donate_argnums = (donate_argnums,)
@@ -204,8 +211,8 @@ def auto_shard(fn: Callable | None = None, *, mesh: Mesh | None = None,
     return functools.partial(auto_shard, mesh=mesh, cluster=cluster,
                              memory_budget=memory_budget,
                              donate_argnums=donate_argnums, verbose=verbose,
-                             cache_size=cache_size)
+                             cache_size=cache_size, select=select)
   if not callable(fn):
     raise TypeError(f"auto_shard decorates a function, got {type(fn).__name__}")
   return AutoShard(fn, mesh, cluster, memory_budget, donate_argnums, verbose,
-                   cache_size)
+                   cache_size, select)

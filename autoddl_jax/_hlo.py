@@ -161,11 +161,9 @@ def ring_bytes(kind: str, p: int, result_bytes: float,
   return frac * result_bytes  # all-gather, all-to-all
 
 
-def parse_hlo(text: str, num_devices: int,
-              mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
-              ) -> list[Collective]:
-  """Every collective in HLO text. ``mesh`` = (axis names, axis sizes) of the
-  program's mesh (device positions = positions in ``mesh.devices.flat``)."""
+def _read(text: str):
+  """(computations {name: [(instr, type, op)]}, types, ops, users, entry)
+  of HLO text."""
   comps: dict[str, list[tuple[str, str, str]]] = {}
   types: dict[str, str] = {}
   ops: dict[str, str] = {}
@@ -187,6 +185,15 @@ def parse_hlo(text: str, num_devices: int,
       comps[cur].append((name, type_str, op))
       for operand in _operands(op):
         users.setdefault(operand, []).append(name)
+  return comps, types, ops, users, entry
+
+
+def parse_hlo(text: str, num_devices: int,
+              mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+              ) -> list[Collective]:
+  """Every collective in HLO text. ``mesh`` = (axis names, axis sizes) of the
+  program's mesh (device positions = positions in ``mesh.devices.flat``)."""
+  comps, types, ops, users, entry = _read(text)
   mult = _multiplicities(comps, entry)
   out = []
   for c, instrs in comps.items():
@@ -277,8 +284,10 @@ def _is_bf16_convert(op: str, type_str: str) -> bool:
   return False
 
 
-def _multiplicities(comps, entry) -> dict[str, int]:
-  """Executions per step of each computation, from the entry down."""
+def _multiplicities(comps, entry, trips: bool = True) -> dict[str, int]:
+  """Executions per step of each computation, from the entry down (with
+  ``trips=False``, a loop body counts once, as XLA's cost analysis counts
+  it)."""
   mult: dict[str, int] = {}
   if entry is None:
     return mult
@@ -291,7 +300,7 @@ def _multiplicities(comps, entry) -> dict[str, int]:
       trip = 1
       if opcode == "while":
         t = re.search(r'"known_trip_count":\{"n":"(\d+)"', op)
-        trip = int(t.group(1)) if t else 1
+        trip = int(t.group(1)) if t and trips else 1
       if opcode in KINDS or opcode.endswith("-start"):
         continue  # to_apply reducers are not executions of their own
       for key, callee in re.findall(
@@ -304,6 +313,54 @@ def _multiplicities(comps, entry) -> dict[str, int]:
         for callee in re.findall(r"%([^\s,]+)", bc.group(1)):
           stack.append((callee, m))
   return mult
+
+
+def _dims(type_str: str) -> tuple[int, ...]:
+  arrs = _arrays(type_str)
+  return arrs[0][1] if arrs else ()
+
+
+def _dot_flops(type_str: str, op: str, types: dict[str, str]) -> float:
+  """FLOPs of one dot or convolution instruction (multiply-adds x 2)."""
+  opcode = op.split("(", 1)[0]
+  out = math.prod(_dims(type_str))
+  opnds = _operands(op)
+  if opcode == "dot" and opnds:
+    lhs = _dims(types.get(opnds[0], ""))
+    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", op)
+    k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m \
+        and lhs else 1
+    return 2.0 * out * k
+  if opcode == "convolution" and len(opnds) > 1:
+    kernel = _dims(types.get(opnds[1], ""))
+    m = re.search(r"dim_labels=[^_]*_([^-]*)->", op)
+    if not kernel or not m or "o" not in m.group(1):
+      return 0.0
+    # Each output element takes the kernel's window over its input features
+    # (already divided by the feature groups).
+    return 2.0 * out * math.prod(kernel) / kernel[m.group(1).index("o")]
+  return 0.0
+
+
+def loop_flops(text: str) -> float:
+  """The dot and convolution FLOPs that XLA's ``cost_analysis`` leaves out
+  by counting a ``while`` body once: each such instruction's FLOPs times
+  (its executions per step - the executions cost analysis counts). Add it
+  to ``cost_analysis()["flops"]`` for the step's FLOPs with every trip
+  (elementwise work in loop bodies stays counted once: small beside the
+  contractions)."""
+  comps, types, _, _, entry = _read(text)
+  every = _multiplicities(comps, entry)
+  once = _multiplicities(comps, entry, trips=False)
+  extra = 0.0
+  for c, instrs in comps.items():
+    k = every.get(c, 0) - once.get(c, 0)
+    if k <= 0:
+      continue
+    for _, type_str, op in instrs:
+      if op.startswith(("dot(", "convolution(")):
+        extra += k * _dot_flops(type_str, op, types)
+  return extra
 
 
 def collectives(compiled: Any, mesh: Any = None) -> list[Collective]:

@@ -10,6 +10,8 @@ import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from autoddl_jax._select import LOWERINGS
+
 if TYPE_CHECKING:
   from autoddl_jax._api import Plan
 
@@ -59,6 +61,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
       "choice": [int(c) for c in plan.choice],
       "cost": dataclasses.asdict(plan.cost),
       "seed": None if plan.search is None else plan.search.seed,
+      "lowering": plan.lowering,
+      "source": plan.source,
       "arguments": args,
   }
 
@@ -164,6 +168,10 @@ def _schema_problem(data: dict[str, Any]) -> str | None:
     return "'cost' is not an object of numbers"
   if not isinstance(data.get("links", {}), dict):
     return "'links' is not an object"
+  if data.get("lowering", "pinned") not in LOWERINGS:
+    return f"'lowering' is not one of {LOWERINGS}"
+  if not isinstance(data.get("source", "search"), str):
+    return "'source' is not a string"
   return None
 
 
@@ -190,7 +198,9 @@ def load(path: str | os.PathLike, fn: Callable, args: tuple, mesh,
                         "program (its choices do not match the traced ops)")
   plan = Plan(fn=fn, mesh=mesh_, mi=mi, cluster=cluster_, traced=tr,
               graph=graph, problem=prob, choice=choice, search=None,
-              search_seconds=0.0)
+              search_seconds=0.0,
+              lowering=data.get("lowering", "pinned"),  # files before it
+              source=data.get("source", "search"))
   if program_fingerprint(plan) != fp.get("program"):
     old = {a["path"]: (tuple(a["shape"]), a["dtype"])
            for a in data["arguments"]}
@@ -217,7 +227,9 @@ def show(path: str | os.PathLike) -> str:
            f"predicted per device per step: time "
            f"{cost.get('time_s', float('nan')) * 1e3:.4g} ms, comm "
            f"{cost.get('comm_bytes', float('nan')):.4g} B, peak memory "
-           f"{cost.get('memory_bytes', float('nan')):.4g} B"]
+           f"{cost.get('memory_bytes', float('nan')):.4g} B",
+           f"plan: {data.get('source', 'search')}, "
+           f"{data.get('lowering', 'pinned')} lowering"]
   rows = [("argument", "shape", "dtype", "nd-SBP", "PartitionSpec")]
   rows += [(a["path"], str(tuple(a["shape"])), a["dtype"], a["sbp"],
             a["spec"]) for a in data["arguments"]]

@@ -77,6 +77,9 @@ class SearchResult:
   seconds: float
   # Per start: the message-passing iteration that found its labelling.
   best_iteration: dict[str, int] = dataclasses.field(default_factory=dict)
+  # Per start, best first: its own plan, where it differs from ``choice``
+  # (the candidates plan selection compiles beside the winner).
+  alternatives: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 # ------------------------------------------------------------- the pair MRF
@@ -735,9 +738,16 @@ def coordinate_descent(prob: Problem, seeds: Mapping[str, Mapping[int, int]],
     alt = polish_by_score(prob, choice, mem_weight)
     if score(prob, alt, mem_weight) < best_obj:
       choice = alt
+  alternatives: dict[str, list[int]] = {}
+  seen = {tuple(int(c) for c in choice)}
+  for _, _, start, gchoice, _ in sorted(results, key=lambda r: r[:2]):
+    alt = tuple(int(c) for c in _expand(prob, gchoice))
+    if alt not in seen:
+      seen.add(alt)
+      alternatives[start] = list(alt)
   return SearchResult([int(c) for c in choice],
                       objective(prob, choice, mem_weight), name, sweeps,
-                      time.perf_counter() - t0, best_iteration)
+                      time.perf_counter() - t0, best_iteration, alternatives)
 
 
 def complete(prob: Problem, pins: Mapping[int, int],

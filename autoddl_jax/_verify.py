@@ -127,7 +127,39 @@ def peak_bytes(mem: Any) -> float:
                mem.temp_size_in_bytes - mem.alias_size_in_bytes)
 
 
-def compile_plan(plan: Plan, pin_inputs: bool = True) -> tuple[Any, Any]:
+@dataclasses.dataclass(frozen=True)
+class CompiledScore:
+  """A compiled program scored on a cluster, per device per step: its FLOPs
+  (every loop trip) at the sustained rate plus its emitted collectives on
+  the alpha-beta links of the groups they span, and its peak memory by
+  ``memory_analysis``. This is what plan selection compares."""
+
+  time_s: float
+  compute_s: float
+  comm_s: float
+  comm_bytes: float
+  flops: float
+  memory_bytes: float | None
+
+  @classmethod
+  def of(cls, compiled: Any, mesh: Any, mi: Any, cluster: Any
+         ) -> CompiledScore:
+    cols = _hlo.collectives(compiled, mesh)
+    cost = _first(compiled.cost_analysis())
+    flops = float(cost.get("flops", 0.0)) if cost else 0.0
+    flops += _hlo.loop_flops(compiled.as_text())
+    mem = compiled.memory_analysis()
+    compute = flops / (cluster.peak_flops * cluster.flops_efficiency)
+    comm = _hlo.emitted_seconds(cols, mi)
+    return cls(time_s=compute + comm, compute_s=compute, comm_s=comm,
+               comm_bytes=sum(c.total_bytes_per_device for c in cols),
+               flops=flops,
+               memory_bytes=None if mem is None else peak_bytes(mem))
+
+
+def compile_plan(plan: Plan, pin_inputs: bool = True,
+                 compiler_options: dict[str, Any] | None = None
+                 ) -> tuple[Any, Any]:
   """(compiled program, its Auto-axes mesh) of ``plan.jit()`` for abstract
   arguments placed as the plan says (nothing allocated)."""
   mesh = plan._auto_mesh()  # noqa: SLF001 (the same package)
@@ -138,7 +170,8 @@ def compile_plan(plan: Plan, pin_inputs: bool = True) -> tuple[Any, Any]:
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
           for a, s in zip(tr.in_avals, flat_sh)]
   args = jax.tree_util.tree_unflatten(tr.in_tree, args)
-  return plan.jit(pin_inputs=pin_inputs).lower(*args).compile(), mesh
+  lowered = plan.jit(pin_inputs=pin_inputs).lower(*args)
+  return lowered.compile(compiler_options), mesh
 
 
 def verify(plan: Plan, pin_inputs: bool = True) -> Verification:

@@ -46,11 +46,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax._sbp import codes_to_spec  # noqa: E402
-from autoddl_jax._verify import compare_compiled, compile_plan  # noqa: E402
+from autoddl_jax import _hlo  # noqa: E402
+from autoddl_jax._cluster import mesh_info  # noqa: E402
+from autoddl_jax._verify import _first, compare_compiled, compile_plan  # noqa: E402
+from autoddl_jax._verify import peak_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402
-from compare import _xla_score, _xla_seconds  # noqa: E402 (as compare.py)
 
 _BASE = dataclasses.replace(ad.H100_NODE, peak_flops=400e12,
                             flops_efficiency=1.0)
@@ -63,6 +65,24 @@ TEXTBOOK = ("dp", "fsdp", "megatron")
 def _mesh(shape):
   names = ("data",) if len(shape) == 1 else ("data", "model")
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _xla_seconds(flops, comm_s, cluster):
+  """XLA's FLOPs at the cluster's sustained rate plus its collectives' time."""
+  return flops / (cluster.peak_flops * cluster.flops_efficiency) + comm_s
+
+
+def _xla_score(compiled, mesh, cluster):
+  """(seconds, emitted bytes, peak memory bytes) of a compiled program, its
+  FLOPs as ``cost_analysis`` counts them (loop bodies once: fidelity.py
+  predicts on that footing)."""
+  cols = _hlo.collectives(compiled, mesh)
+  cost = _first(compiled.cost_analysis())
+  flops = float(cost.get("flops", 0.0)) if cost else 0.0
+  peak = peak_bytes(compiled.memory_analysis())
+  seconds = _xla_seconds(flops, _hlo.emitted_seconds(
+      cols, mesh_info(mesh, cluster)), cluster)
+  return seconds, sum(c.total_bytes_per_device for c in cols), float(peak)
 
 
 def textbook_shardings(plan: ad.Plan, kind: str):

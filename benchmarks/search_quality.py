@@ -2,24 +2,31 @@
 
     python benchmarks/search_quality.py [--quick]
 
-For each model, mesh and cluster of ``compare.py`` (plus the 12-layer GPT of
-``plan_time.py``) it plans twice on the same problem: with the search's
-message passing as TRW-S (tree weights 1/n, 100 iterations for the unseeded
-start, the settings before over-relaxation) and as it is now (weights x1.5,
-at most 40 iterations, stopping after 10 without a better labelling). Printed
-per case: the iteration at which the unseeded start's labelling stopped
-improving, the whole search's objective (predicted step time) and its
-seconds. Planning is abstract (shapes only); the exact optimum is in
-``compare.py`` and ``scaling.py``.
+For each model, mesh and cluster below (the models compare.py used before it
+moved to the zoo, plus the 12-layer GPT of ``plan_time.py``) it plans twice
+on the same problem: with the search's message passing as TRW-S (tree
+weights 1/n, 100 iterations for the unseeded start, the settings before
+over-relaxation) and as it is now (weights x1.5, at most 40 iterations,
+stopping after 10 without a better labelling). Printed per case: the
+iteration at which the unseeded start's labelling stopped improving, the
+whole search's objective (predicted step time) and its seconds. Planning is
+abstract (shapes only); the exact optimum is in ``compare.py`` and
+``scaling.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import time
 
-import compare  # noqa: E402 (sets up 8 CPU devices; its models and clusters)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
 import plan_time  # noqa: E402 (its 12-layer GPT)
 from jax.sharding import AbstractMesh  # noqa: E402
 
@@ -31,12 +38,35 @@ TRWS = dict(SEEDED=_search.Passing(1.0, 100, 3),
 NOW = dict(SEEDED=_search.SEEDED, UNSEEDED=_search.UNSEEDED)
 
 
+CLUSTERS = {
+    "2x4": dataclasses.replace(ad.H100_NODE, devices_per_node=4),
+    "1x8": ad.H100_NODE,
+}
+MESHES = [(8,), (2, 4), (4, 2)]
+
+
+def examples(quick: bool):
+  if quick:
+    return {"mlp": models.mlp(abstract=True), "gpt": models.gpt(abstract=True)}
+  return {
+      "mlp": models.mlp(batch=1024, sizes=(4096, 16384, 16384, 4096, 1024),
+                        abstract=True),
+      "gpt": models.gpt(models.GptConfig(
+          vocab=32768, d_model=1024, n_heads=16, n_layers=8, seq=1024,
+          batch=16), abstract=True),
+      "vgg": models.vgg(batch=64, image=64, channels=(64, 128, 256, 512),
+                        hidden=4096, classes=1000, abstract=True),
+      "moe": models.moe(tokens=8192, d_model=1024, d_ff=4096, experts=8,
+                        abstract=True),
+  }
+
+
 def cases(quick: bool):
-  """compare.py's models, meshes and clusters (and plan_time.py's 12-layer
+  """The models, meshes and clusters above (and plan_time.py's 12-layer
   GPT): (name, example, mesh shape, cluster)."""
-  for name, (ex, _) in compare.examples(quick).items():
-    for shape in compare.MESHES:
-      for cname, cluster in compare.CLUSTERS.items():
+  for name, ex in examples(quick).items():
+    for shape in MESHES:
+      for cname, cluster in CLUSTERS.items():
         yield f"{name} {'x'.join(map(str, shape))} {cname}", ex, shape, cluster
   if not quick:
     title, cfg, shape, _ = plan_time.CASES[0]

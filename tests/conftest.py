@@ -3,6 +3,11 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite plans by the cost model unless a test asks for selection by the
+# compiled program (ad.plan(select="compiled"), tests/test_select.py): that
+# compiles ~8 candidates, ~3 s each for a tiny model on this machine, and
+# most tests are about the plan the model made.
+os.environ.setdefault("AUTODDL_JAX_SELECT", "model")
 
 import jax  # noqa: E402
 

@@ -23,9 +23,9 @@ X = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
 
 def test_public_face_is_small():
   assert set(ad.__all__) == {
-      "B", "Cluster", "Collective", "H100_NODE", "MemoryBudgetError", "NdSbp",
-      "P", "Plan", "PlanCost", "PlanFileError", "S", "Sbp",
-      "UnsupportedPrimitiveWarning", "auto_shard", "checkpoint", "collectives",
+      "B", "Candidate", "Cluster", "Collective", "CompiledScore", "H100_NODE",
+      "MemoryBudgetError", "NdSbp", "P", "Plan", "PlanCost", "PlanFileError",
+      "S", "Sbp", "Selection", "UnsupportedPrimitiveWarning", "auto_shard", "checkpoint", "collectives",
       "cost_of", "distributed", "hand_plan", "load_plan", "plan"}
 
 

@@ -1,0 +1,176 @@
+"""Model proposes, compiler disposes: choosing a plan by its compiled program.
+
+The cost model ranks plans well but not perfectly (benchmarks/fidelity.py),
+and XLA may run a plan otherwise than planned. When the mesh is concrete,
+:func:`autoddl_jax.plan` therefore compiles a few candidates -- the search's
+plan lowered with all its pins and with its boundary only, the search's best
+plans from other starts, and the textbook plans (DP, FSDP, Megatron, FSDP+TP)
+as a user writes them (``jax.jit`` in/out shardings, XLA propagating the
+rest) -- and keeps the one whose compiled program is fastest on the plan's
+:class:`~autoddl_jax.Cluster` (:class:`~autoddl_jax._verify.CompiledScore`:
+XLA's FLOPs at the sustained rate plus its emitted collectives on the links
+of the groups they span), among those whose ``memory_analysis`` peak fits the
+memory budget.
+
+Compiling takes ``jax.ShapeDtypeStruct`` arguments: nothing is allocated.
+Candidates are compiled in order of promise until ``time_limit`` seconds have
+passed (the first is always compiled); in a multi-process run every process
+compiles them all, so that each one keeps the same plan whatever its speed.
+On the CPU backend, candidates compile at LLVM optimisation level 0, which
+halves the time and leaves the partitioned HLO -- its collectives, FLOPs and
+buffer assignment -- as it is (measured on the zoo: identical programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from autoddl_jax._verify import CompiledScore, compile_plan
+
+LOWERINGS = ("pinned", "boundary")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One plan that selection compiled (or meant to).
+
+  ``name`` says where the plan came from: ``"search"`` (the search's best),
+  ``"search:<start>"`` (the best plan of another start), or a textbook plan
+  (``"dp"``, ``"fsdp"``, ``"megatron"``, ``"fsdp_tp"``). ``lowering`` is
+  ``"pinned"`` (every layout of the plan pinned, partial sums run on local
+  blocks) or ``"boundary"`` (only the jit boundary: XLA propagates the
+  rest). ``compiled`` is None when it was not compiled: ``skipped`` says why
+  (out of time, or the same program as an earlier candidate) and ``error``
+  holds a failed compile's message.
+  """
+
+  name: str
+  lowering: str
+  predicted_s: float
+  predicted_memory: float
+  compiled: CompiledScore | None = None
+  compile_seconds: float = 0.0
+  fits: bool | None = None  # memory_analysis peak within the budget
+  skipped: str | None = None
+  error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """How a plan was chosen: ``mode`` is ``"compiled"`` (by the compiled
+  program) or ``"model"`` (by the cost model alone; ``reason`` says why),
+  ``winner`` indexes ``candidates`` (None when the model chose)."""
+
+  mode: str
+  reason: str
+  candidates: tuple[Candidate, ...] = ()
+  winner: int | None = None
+  seconds: float = 0.0
+
+  def table(self) -> list[tuple[str, ...]]:
+    rows = [("candidate", "lowering", "predicted", "compiled", "comm",
+             "XLA peak", "compile", "")]
+    for i, c in enumerate(self.candidates):
+      s = c.compiled
+      note = ("<- chosen" if i == self.winner else
+              c.skipped or (f"failed: {c.error[:60]}" if c.error else
+                            ("over budget" if c.fits is False else "")))
+      rows.append((
+          c.name, c.lowering, f"{c.predicted_s * 1e3:.4g} ms",
+          "" if s is None else f"{s.time_s * 1e3:.4g} ms",
+          "" if s is None else f"{s.comm_s * 1e3:.4g} ms",
+          "" if s is None or s.memory_bytes is None else
+          _fmt_bytes(s.memory_bytes),
+          f"{c.compile_seconds:.1f} s" if s is not None or c.error else "",
+          note))
+    return rows
+
+
+def _fmt_bytes(b: float) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if b >= size:
+      return f"{b / size:.3g} {unit}"
+  return f"{b:.0f} B"
+
+
+def compiler_options(mesh) -> dict[str, Any] | None:
+  """Faster compiles where they change nothing that is scored: on CPU, LLVM
+  at level 0 (the HLO passes -- partitioning, collectives, buffer
+  assignment -- do not read it)."""
+  platforms = {d.platform for d in mesh.devices.flat}
+  return {"xla_backend_optimization_level": 0} if platforms == {"cpu"} \
+      else None
+
+
+def select(candidates: Sequence[tuple[str, str, Any]], *,
+           budget: float | None, time_limit: float,
+           key: Callable[[Any, str], Any],
+           progress: Callable[[str], None] | None = None
+           ) -> tuple[int | None, Selection]:
+  """Compiles ``candidates`` [(name, lowering, Plan)] in order and returns
+  (index of the best, the :class:`Selection`).
+
+  ``key(plan, lowering)`` names the program a candidate compiles to: a
+  candidate whose key an earlier one had is the same program and is not
+  compiled again. The best is the fastest compiled candidate whose peak fits
+  ``budget``; if none fits, the one with the smallest peak. None if nothing
+  compiled.
+  """
+  t0 = time.perf_counter()
+  everyone = jax.process_count() > 1  # same candidates on every process
+  seen: dict[Any, int] = {}
+  out: list[Candidate] = []
+  for name, lowering, plan in candidates:
+    c = Candidate(name, lowering, plan.cost.time_s, plan.cost.memory_bytes)
+    k = key(plan, lowering)
+    if k in seen:
+      out.append(dataclasses.replace(
+          c, skipped=f"same program as {out[seen[k]].name} "
+          f"({out[seen[k]].lowering})"))
+      continue
+    seen[k] = len(out)
+    if out and not everyone and time.perf_counter() - t0 > time_limit:
+      out.append(dataclasses.replace(
+          c, skipped=f"not compiled: select_seconds={time_limit:g} spent"))
+      continue
+    t1 = time.perf_counter()
+    try:
+      compiled, mesh = compile_plan(plan, lowering == "pinned",
+                                    compiler_options(plan.mesh))
+      score = CompiledScore.of(compiled, mesh, plan.mesh_info, plan.cluster)
+    except Exception as e:  # noqa: BLE001 (reported; the others still run)
+      out.append(dataclasses.replace(
+          c, compile_seconds=time.perf_counter() - t1,
+          error=f"{type(e).__name__}: {e}"))
+      continue
+    fits = None if budget is None or score.memory_bytes is None else \
+        score.memory_bytes <= budget
+    out.append(dataclasses.replace(
+        c, compiled=score, compile_seconds=time.perf_counter() - t1,
+        fits=fits))
+    if progress is not None:
+      progress(f"compiled {name} ({lowering}): {score.time_s * 1e3:.4g} ms, "
+               f"peak {score.memory_bytes or 0:.4g} B, "
+               f"{time.perf_counter() - t1:.1f} s")
+  done = [i for i, c in enumerate(out) if c.compiled is not None]
+  fit = [i for i in done if out[i].fits is not False]
+  if fit:
+    # Ties go to the earlier candidate (the search's plan comes first).
+    win = min(fit, key=lambda i: (out[i].compiled.time_s, i))
+    reason = "fastest compiled program" + (
+        " within the memory budget" if budget is not None else "")
+  elif done:
+    win = min(done, key=lambda i: (out[i].compiled.memory_bytes or math.inf,
+                                   i))
+    reason = "no candidate fits the memory budget by memory_analysis: " \
+             "the smallest"
+  else:
+    win, reason = None, "no candidate compiled: the cost model's plan"
+  return win, Selection("compiled" if win is not None else "model", reason,
+                        tuple(out), win, time.perf_counter() - t0)

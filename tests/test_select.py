@@ -1,0 +1,168 @@
+"""Plan selection by the compiled program (``ad.plan(select="compiled")``):
+the plan returned is never slower, by its compiled program on the plan's
+cluster, than a textbook plan written as a user writes it; every lowering
+selection may return computes the unsharded step."""
+
+import functools
+import os
+import sys
+
+import jax
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import autoddl_jax as ad
+from autoddl_jax import _hlo
+from autoddl_jax._api import TEXTBOOK
+from autoddl_jax._select import compiler_options
+from autoddl_jax._verify import CompiledScore, compile_plan
+from conftest import TEST_CLUSTER
+from helpers import make_mesh, rel_err
+from test_zoo import _assert_state_close
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "benchmarks"))
+import zoo  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def _selected(name: str, shape: tuple[int, ...]) -> tuple[zoo.Case, ad.Plan]:
+  case = zoo.build(name, abstract=True)
+  plan = ad.plan(case.step, *case.args, mesh=make_mesh(shape, explicit=False),
+                 cluster=TEST_CLUSTER, select="compiled",
+                 select_seconds=600)
+  return case, plan
+
+
+def _user_compiled(case: zoo.Case, mesh, textbook: ad.Plan):
+  """The textbook plan compiled as a user writes it: jax.jit of the step
+  with its in/out shardings, XLA propagating the rest."""
+  named = lambda t: jax.tree.map(  # noqa: E731
+      lambda s: NamedSharding(mesh, s), t,
+      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  ins = named(textbook.in_specs)
+  args = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      case.args, ins)
+  return jax.jit(case.step, in_shardings=ins,
+                 out_shardings=named(textbook.out_specs)).lower(
+                     *args).compile(compiler_options(mesh))
+
+
+@pytest.mark.parametrize("name,shape", [("llama", (2, 4)),
+                                        ("resnet", (4, 2))])
+def test_the_chosen_plan_is_never_slower_than_a_textbook_plan(name, shape):
+  case, plan = _selected(name, shape)
+  sel = plan.selection
+  assert sel.mode == "compiled"
+  assert sel.winner is not None and sel.candidates[sel.winner].compiled
+  compiled, mesh = compile_plan(plan, compiler_options=compiler_options(
+      plan.mesh))
+  chosen = CompiledScore.of(compiled, mesh, plan.mesh_info, plan.cluster)
+  # What selection measured is what the returned plan compiles to.
+  assert chosen.time_s == pytest.approx(
+      sel.candidates[sel.winner].compiled.time_s, rel=1e-9)
+  for kind in TEXTBOOK:
+    book = plan.textbook(kind)
+    user = _user_compiled(case, mesh, book)
+    theirs = CompiledScore.of(user, mesh, plan.mesh_info, plan.cluster)
+    assert chosen.time_s <= theirs.time_s * (1 + 1e-9), (kind, chosen,
+                                                         theirs)
+    # Selection's "as a user writes it" candidate is that program.
+    cand = next(c for c in sel.candidates
+                if c.name == kind and c.lowering == "boundary")
+    assert cand.compiled is not None or cand.skipped.startswith("same")
+    if cand.compiled is not None:
+      assert cand.compiled.time_s == pytest.approx(theirs.time_s, rel=1e-6)
+      assert cand.compiled.memory_bytes == theirs.memory_bytes
+  assert _hlo.collectives(compiled, mesh)  # the plan shards the model
+  text = plan.explain(max_rows=0)
+  assert "selected by the compiled program" in text and "<- chosen" in text
+
+
+def test_a_boundary_lowering_computes_the_unsharded_step():
+  # The pinned lowering is held to the same on every zoo model in test_zoo.
+  case = zoo.llama(tx=optax.sgd(0.1, momentum=0.9))
+  mesh = make_mesh((2, 4), explicit=False)
+  want = jax.jit(case.step)(*case.args)
+  plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=TEST_CLUSTER,
+                 select="model")
+  for p in (plan._variant(plan.choice, "boundary", "search"),  # noqa: SLF001
+            plan.textbook("fsdp_tp")):
+    assert p.lowering == "boundary"
+    got = p.jit()(*case.args)
+    assert rel_err(got[-1], want[-1]) <= 1e-5  # the loss
+    _assert_state_close(got[:-1], want[:-1])
+
+
+def test_a_budget_rules_out_what_does_not_fit_by_memory_analysis():
+  case, free = _selected("llama", (2, 4))
+  peaks = {(c.name, c.lowering): c.compiled.memory_bytes
+           for c in free.selection.candidates if c.compiled is not None}
+  budget = sorted(peaks.values())[len(peaks) // 2]  # half of them fit
+  plan = ad.plan(case.step, *case.args, mesh=make_mesh((2, 4),
+                                                       explicit=False),
+                 cluster=TEST_CLUSTER, select="compiled",
+                 memory_budget=budget, select_seconds=600, alternatives=0)
+  sel = plan.selection
+  won = sel.candidates[sel.winner]
+  assert won.fits and won.compiled.memory_bytes <= budget
+  over = [c for c in sel.candidates if c.fits is False]
+  assert over and all(c.compiled.memory_bytes > budget for c in over)
+  fitting = [c.compiled.time_s for c in sel.candidates if c.fits]
+  assert won.compiled.time_s == min(fitting)
+
+
+def test_selection_is_by_the_model_where_nothing_can_be_compiled():
+  case = zoo.build("mixer", abstract=True)
+  amesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+  plan = ad.plan(case.step, *case.args, mesh=amesh, cluster=TEST_CLUSTER)
+  assert plan.selection.mode == "model"
+  assert "abstract mesh" in plan.selection.reason
+  assert "selected by the cost model: abstract mesh" in plan.explain()
+  with pytest.raises(ValueError, match="needs a concrete jax.sharding.Mesh"):
+    ad.plan(case.step, *case.args, mesh=amesh, select="compiled")
+  mesh = make_mesh((2, 4))
+  with pytest.raises(ValueError, match="select must be 'compiled' or"):
+    ad.plan(case.step, *case.args, mesh=mesh, select="xla")
+  with pytest.raises(ValueError, match="select_seconds must be a number"):
+    ad.plan(case.step, *case.args, mesh=mesh, select_seconds=-1)
+  with pytest.raises(ValueError, match="alternatives must be an int"):
+    ad.plan(case.step, *case.args, mesh=mesh, alternatives=1.5)
+
+
+def test_out_of_time_candidates_are_reported_not_compiled(monkeypatch):
+  monkeypatch.delenv("AUTODDL_JAX_SELECT")  # the default: compiled
+  case = zoo.build("mixer", abstract=True)
+  plan = ad.plan(case.step, *case.args, mesh=make_mesh((2, 4)),
+                 cluster=TEST_CLUSTER, select_seconds=0)
+  sel = plan.selection
+  assert sel.mode == "compiled" and sel.winner == 0  # only the first ran
+  assert sel.candidates[0].compiled is not None
+  assert all(c.compiled is None and c.skipped for c in sel.candidates[1:])
+  assert any("select_seconds=0 spent" in c.skipped
+             for c in sel.candidates[1:])
+
+
+def test_a_saved_plan_keeps_its_lowering(tmp_path):
+  case = zoo.build("mixer", abstract=True)
+  mesh = make_mesh((2, 4))
+  book = ad.plan(case.step, *case.args, mesh=mesh, cluster=TEST_CLUSTER,
+                 select="model").textbook("dp")
+  book.save(tmp_path / "dp.json")
+  back = ad.load_plan(tmp_path / "dp.json", case.step, *case.args,
+                      mesh=mesh, cluster=TEST_CLUSTER)
+  assert (back.lowering, back.source) == ("boundary", "dp")
+  assert back.cost == book.cost
+  assert back.in_specs == book.in_specs
+
+
+def test_a_budget_nothing_fits_names_the_compiled_peak_too():
+  case = zoo.build("mixer", abstract=True)
+  with pytest.raises(ad.MemoryBudgetError, match=(
+      r"memory_budget=1 KiB.*smallest plan found needs.*By memory_analysis, "
+      r"the smallest compiled candidate needs")):
+    ad.plan(case.step, *case.args, mesh=make_mesh((2, 4)),
+            cluster=TEST_CLUSTER, memory_budget=1024, select="compiled",
+            select_seconds=0)
