@@ -1261,7 +1261,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     raise MemoryBudgetError(
         (str(over) if over is not None else
          f"no plan fits memory_budget={_fmt_bytes(memory_budget)} per "
-         "device by the compiled programs") +
+         "device by the compiled programs.") +
         (f" By memory_analysis, the smallest compiled candidate needs "
          f"{_fmt_bytes(min(peaks))}." if peaks else ""))
   return chosen

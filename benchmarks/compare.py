@@ -1,8 +1,9 @@
 """autoddl_jax's plans against the plans an expert writes, by the compiled program.
 
     python benchmarks/compare.py [--models llama,vit] [--meshes 8,2x4,4x2]
-        [--clusters 2x4,1x8] [--budgets none,0.5] [--size realistic]
-        [--exact-limit 30] [--csv benchmarks/results/compare.csv]
+        [--clusters 2x4,1x8] [--budgets none,0.6] [--budget-clusters 2x4]
+        [--size realistic] [--exact-limit 10]
+        [--csv benchmarks/results/compare.csv]
 
 For each held-out zoo model (benchmarks/zoo.py, compiled abstractly: nothing
 allocated) x mesh x cluster x memory budget (none, and fractions of the DP
@@ -58,11 +59,13 @@ def main(argv=None):
   ap.add_argument("--models", default=",".join(zoo.BUILDERS))
   ap.add_argument("--meshes", default=",".join(MESHES))
   ap.add_argument("--clusters", default=",".join(CLUSTERS))
-  ap.add_argument("--budgets", default="none,0.5",
+  ap.add_argument("--budgets", default="none,0.6",
                   help="'none' and fractions of DP's XLA peak memory")
+  ap.add_argument("--budget-clusters", default=",".join(CLUSTERS),
+                  help="the clusters the budgets run on (none runs on all)")
   ap.add_argument("--size", default="realistic", choices=("tiny",
                                                           "realistic"))
-  ap.add_argument("--exact-limit", type=float, default=30.0)
+  ap.add_argument("--exact-limit", type=float, default=10.0)
   ap.add_argument("--csv", default="benchmarks/results/compare.csv")
   args = ap.parse_args(argv)
   fracs = [None if b == "none" else float(b)
@@ -79,6 +82,8 @@ def main(argv=None):
         cluster = CLUSTERS[ckey]
         dp_peak = None
         for frac in fracs:
+          if frac is not None and ckey not in args.budget_clusters.split(","):
+            continue
           budget = None if frac is None else frac * dp_peak
           head = dict(model=name, mesh=mkey, cluster=ckey,
                       budget=_budget_label(frac))
