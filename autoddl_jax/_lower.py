@@ -35,6 +35,22 @@ traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
 Where the plan and XLA's propagation would agree anyway, the pins cost
 nothing: XLA drops constraints that match what it had.
 
+Which mechanism is used where (issue 12's list, as measured here):
+
+* staged multi-axis reshards and ``shard_map`` partial-sum regions: in every
+  pinned plan (``Plan.lowering == "pinned"``), for the reasons above;
+* the jit boundary alone (``Plan.lowering == "boundary"``, no pin inside):
+  the textbook plans as a user writes them, and the search's own boundary,
+  are compiled that way as candidates of ``ad.plan(select="compiled")``
+  (:mod:`autoddl_jax._select`), which keeps whichever program is faster. On
+  the realistic zoo the search's boundary left to XLA compiled 2x slower
+  than pinned (llama, (2, 4): 63.9 against 31.8 ms; BENCHMARKS.md §1), so
+  pinning stays the planner's lowering and the boundary is a candidate;
+* Explicit-axis lowering (``jax.sharding.reshard``, ``out_sharding=`` on
+  contractions, ``unreduced`` partial sums) is not used: not yet measured
+  against the ``shard_map`` regions, which already give partial sums the
+  layout and the reduction point the plan chose.
+
 Scan, cond and while bodies are rebuilt with ``lax.scan``/``lax.switch``/
 ``lax.while_loop`` around the same interpreter, so the layers in a scan are
 pinned once for every iteration; remat keeps its policy through

@@ -2,11 +2,14 @@
 96-layer GPT (d_model 12288, layers in lax.scan) on 1024 devices (128 nodes x 8),
 planned abstractly (shapes only, nothing allocated).
 
-    python benchmarks/plan_time.py [--repeats 5]
+    python benchmarks/plan_time.py [--repeats 5] [--no-select]
 
 Prints one table: model, mesh, ops in the graph, coordinates searched, seconds
 to plan (trace + graph + search: the median of ``--repeats`` runs, and the
-slowest), predicted step time and memory. The median because this machine's
+slowest), predicted step time and memory. Then, once, the scanned 12-layer
+GPT planned on a concrete (2, 4) mesh of the 8 simulated CPU devices with
+selection by the compiled program (``select="compiled"``): the search's
+seconds and selection's, apart. The median because this machine's
 speed varies by up to 2x from one run to the next (CPU time, not only wall
 time), which one timing would report as the planner's.
 """
@@ -47,6 +50,8 @@ CASES = [
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--no-select", action="store_true",
+                  help="skip the selection run (it compiles ~8 programs)")
   args = ap.parse_args(argv)
   # Warm JAX's tracing machinery up once, so the first row is not charged
   # with it (a cold first call costs about a second more).
@@ -72,6 +77,24 @@ def main(argv=None):
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   for r in rows:
     print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+  if not args.no_select:
+    name, cfg, shape, axes = CASES[0]
+    ex = models.gpt(cfg, abstract=True)
+    mesh = jax.make_mesh(shape, axes,
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    t0 = time.perf_counter()
+    plan = ad.plan(ex.step, *ex.args, mesh=mesh, select="compiled",
+                   select_seconds=float("inf"))
+    total = time.perf_counter() - t0
+    sel = plan.selection
+    won = sel.candidates[sel.winner]
+    print(f"\n{name} on a concrete {'x'.join(map(str, shape))} mesh, "
+          f"select='compiled': {total:.1f} s in all, search "
+          f"{plan.search_seconds:.2f} s, compiling "
+          f"{sum(c.compiled is not None for c in sel.candidates)} of "
+          f"{len(sel.candidates)} candidates {sel.seconds:.1f} s; chosen "
+          f"{won.name} ({won.lowering}), compiled "
+          f"{won.compiled.time_s * 1e3:.2f} ms")
   print(f"jax {jax.__version__}, autoddl_jax {ad.__version__}")
 
 
