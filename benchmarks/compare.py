@@ -3,7 +3,10 @@
     python benchmarks/compare.py [--models llama,vit] [--meshes 8,2x4,4x2]
         [--clusters 2x4,1x8] [--budgets none,0.6] [--budget-clusters 2x4]
         [--size realistic] [--exact-limit 10]
-        [--csv benchmarks/results/compare.csv]
+        [--csv benchmarks/results/compare.csv] [--peaks CSV]
+
+(``--budgets 0.6 --peaks benchmarks/results/compare.csv`` runs only the
+budgeted cases, with DP's peaks from an earlier run's CSV.)
 
 For each held-out zoo model (benchmarks/zoo.py, compiled abstractly: nothing
 allocated) x mesh x cluster x memory budget (none, and fractions of the DP
@@ -66,11 +69,22 @@ def main(argv=None):
   ap.add_argument("--size", default="realistic", choices=("tiny",
                                                           "realistic"))
   ap.add_argument("--exact-limit", type=float, default=10.0)
+  ap.add_argument("--peaks", default=None,
+                  help="a CSV this script wrote without budgets: its DP "
+                       "peaks set the budgets, and the unbudgeted runs are "
+                       "not repeated")
   ap.add_argument("--csv", default="benchmarks/results/compare.csv")
   args = ap.parse_args(argv)
   fracs = [None if b == "none" else float(b)
            for b in args.budgets.split(",")]
-  if fracs[0] is not None:
+  known = {}
+  if args.peaks:
+    with open(args.peaks) as f:
+      known = {(r["model"], r["mesh"], r["cluster"]):
+               float(r["xla_mem_gib"]) * 2**30 for r in csv.DictReader(f)
+               if r["candidate"] == "dp" and r["budget"] == "-"
+               and r["xla_mem_gib"]}
+  elif fracs[0] is not None:
     fracs = [None] + fracs  # the budgets are fractions of DP's peak there
   t0 = time.perf_counter()
   cases, cand_rows = [], []
@@ -80,7 +94,7 @@ def main(argv=None):
       mesh = _mesh(MESHES[mkey])
       for ckey in args.clusters.split(","):
         cluster = CLUSTERS[ckey]
-        dp_peak = None
+        dp_peak = known.get((name, mkey, ckey))
         for frac in fracs:
           if frac is not None and ckey not in args.budget_clusters.split(","):
             continue
