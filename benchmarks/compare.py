@@ -50,7 +50,7 @@ from autoddl_jax._api import TEXTBOOK  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402
-from fidelity import CLUSTERS, MESHES, _mesh  # noqa: E402 (the same cases)
+from fidelity import CLUSTERS, MESHES, case_grid  # noqa: E402 (same cases)
 
 
 def _budget_label(frac):
@@ -88,70 +88,65 @@ def main(argv=None):
     fracs = [None] + fracs  # the budgets are fractions of DP's peak there
   t0 = time.perf_counter()
   cases, cand_rows = [], []
-  for name in args.models.split(","):
-    case = zoo.build(name, size=args.size, abstract=True)
-    for mkey in args.meshes.split(","):
-      mesh = _mesh(MESHES[mkey])
-      for ckey in args.clusters.split(","):
-        cluster = CLUSTERS[ckey]
-        dp_peak = known.get((name, mkey, ckey))
-        for frac in fracs:
-          if frac is not None and ckey not in args.budget_clusters.split(","):
-            continue
-          budget = None if frac is None else frac * dp_peak
-          head = dict(model=name, mesh=mkey, cluster=ckey,
-                      budget=_budget_label(frac))
-          print(f"[compare] {head}", file=sys.stderr, flush=True)
-          try:
-            plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
-                           memory_budget=budget, select="compiled",
-                           select_seconds=math.inf, verbose=False)
-          except ad.MemoryBudgetError as e:
-            print(f"[compare]   no plan fits: {e}", file=sys.stderr)
-            cases.append(dict(head, chosen="(none fits)"))
-            continue
-          sel = plan.selection
-          cs = sel.candidates
-          for i, c in enumerate(cs):
-            cand_rows.append(dict(
-                head, candidate=c.name, lowering=c.lowering,
-                predicted_ms=c.predicted_s * 1e3,
-                xla_ms=c.compiled.time_s * 1e3 if c.compiled else "",
-                xla_mem_gib=c.compiled.memory_bytes / 2**30
-                if c.compiled else "",
-                fits=c.fits, chosen=i == sel.winner,
-                note=c.skipped or c.error or ""))
-          if frac is None:
-            dp_peak = next(c.compiled.memory_bytes for c in cs
-                           if c.name == "dp" and c.compiled)
-          books = [c for c in cs if c.name in TEXTBOOK and c.compiled
-                   and c.fits is not False]
-          book = min(books, key=lambda c: c.compiled.time_s)
-          own = cs[0]  # the search's plan, all pins: the model's choice
-          won = cs[sel.winner]
-          gap = ""
-          if frac is None and plan.search is not None:
-            ex = _search.exact(plan.problem, time_limit=args.exact_limit)
-            gap = ("timeout" if ex is None else
-                   f"{plan.search.objective / ex.objective - 1:+.2%}")
-          emitted = won.compiled.comm_bytes
-          cases.append(dict(
-              head, best_textbook=book.name,
-              textbook_ms=book.compiled.time_s * 1e3,
-              search_ms=own.compiled.time_s * 1e3,
-              search_vs=own.compiled.time_s / book.compiled.time_s,
-              search_fits=own.fits,
-              chosen=f"{won.name} ({won.lowering})",
-              chosen_ms=won.compiled.time_s * 1e3,
-              chosen_vs=won.compiled.time_s / book.compiled.time_s,
-              pred_emit=plan.cost.comm_bytes / emitted if emitted
-              else (1.0 if plan.cost.comm_bytes == 0 else math.inf),
-              search_s=plan.search_seconds, select_s=sel.seconds,
-              exact_gap=gap))
-          print(f"[compare]   chosen {cases[-1]['chosen']} "
-                f"{cases[-1]['chosen_vs']:.3f} x best textbook "
-                f"({book.name}); search's plan {cases[-1]['search_vs']:.3f}",
-                file=sys.stderr, flush=True)
+  for name, case, mkey, mesh, ckey, cluster in case_grid(args):
+    dp_peak = known.get((name, mkey, ckey))
+    for frac in fracs:
+      if frac is not None and ckey not in args.budget_clusters.split(","):
+        continue
+      budget = None if frac is None else frac * dp_peak
+      head = dict(model=name, mesh=mkey, cluster=ckey,
+                  budget=_budget_label(frac))
+      print(f"[compare] {head}", file=sys.stderr, flush=True)
+      try:
+        plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
+                       memory_budget=budget, select="compiled",
+                       select_seconds=math.inf, verbose=False)
+      except ad.MemoryBudgetError as e:
+        print(f"[compare]   no plan fits: {e}", file=sys.stderr)
+        cases.append(dict(head, chosen="(none fits)"))
+        continue
+      sel = plan.selection
+      cs = sel.candidates
+      for i, c in enumerate(cs):
+        cand_rows.append(dict(
+            head, candidate=c.name, lowering=c.lowering,
+            predicted_ms=c.predicted_s * 1e3,
+            xla_ms=c.compiled.time_s * 1e3 if c.compiled else "",
+            xla_mem_gib=c.compiled.memory_bytes / 2**30
+            if c.compiled else "",
+            fits=c.fits, chosen=i == sel.winner,
+            note=c.skipped or c.error or ""))
+      if frac is None:
+        dp_peak = next(c.compiled.memory_bytes for c in cs
+                       if c.name == "dp" and c.compiled)
+      books = [c for c in cs if c.name in TEXTBOOK and c.compiled
+               and c.fits is not False]
+      book = min(books, key=lambda c: c.compiled.time_s)
+      own = cs[0]  # the search's plan, all pins: the model's choice
+      won = cs[sel.winner]
+      gap = ""
+      if frac is None and plan.search is not None:
+        ex = _search.exact(plan.problem, time_limit=args.exact_limit)
+        gap = ("timeout" if ex is None else
+               f"{plan.search.objective / ex.objective - 1:+.2%}")
+      emitted = won.compiled.comm_bytes
+      cases.append(dict(
+          head, best_textbook=book.name,
+          textbook_ms=book.compiled.time_s * 1e3,
+          search_ms=own.compiled.time_s * 1e3,
+          search_vs=own.compiled.time_s / book.compiled.time_s,
+          search_fits=own.fits,
+          chosen=f"{won.name} ({won.lowering})",
+          chosen_ms=won.compiled.time_s * 1e3,
+          chosen_vs=won.compiled.time_s / book.compiled.time_s,
+          pred_emit=plan.cost.comm_bytes / emitted if emitted
+          else (1.0 if plan.cost.comm_bytes == 0 else math.inf),
+          search_s=plan.search_seconds, select_s=sel.seconds,
+          exact_gap=gap))
+      print(f"[compare]   chosen {cases[-1]['chosen']} "
+            f"{cases[-1]['chosen_vs']:.3f} x best textbook "
+            f"({book.name}); search's plan {cases[-1]['search_vs']:.3f}",
+            file=sys.stderr, flush=True)
   _table(["model", "mesh", "cluster", "budget", "best_textbook",
           "textbook_ms", "search_ms", "search_vs", "chosen", "chosen_ms",
           "chosen_vs", "pred_emit", "search_s", "select_s", "exact_gap"],

@@ -134,6 +134,18 @@ def _user_dp_ms(case, mesh, plan: ad.Plan, cluster: ad.Cluster) -> float:
   return _xla_score(compiled, mesh, cluster)[0] * 1e3
 
 
+def case_grid(args):
+  """(model name, zoo case, mesh key, mesh, cluster key, cluster) for every
+  case the command line names (``--models``, ``--meshes``, ``--clusters``,
+  ``--size``); compare.py walks the same grid."""
+  for name in args.models.split(","):
+    case = zoo.build(name, size=args.size, abstract=True)
+    for mkey in args.meshes.split(","):
+      mesh = _mesh(MESHES[mkey])
+      for ckey in args.clusters.split(","):
+        yield name, case, mkey, mesh, ckey, CLUSTERS[ckey]
+
+
 def kendall_tau(a, b) -> float:
   pairs = list(itertools.combinations(range(len(a)), 2))
   s = sum(math.copysign(1, (a[i] - a[j]) * (b[i] - b[j]))
@@ -155,35 +167,30 @@ def main(argv=None):
   args = ap.parse_args(argv)
   t0 = time.perf_counter()
   rows, taus, dp_rows = [], [], []
-  for name in args.models.split(","):
-    case = zoo.build(name, size=args.size, abstract=True)
-    for mkey in args.meshes.split(","):
-      mesh = _mesh(MESHES[mkey])
-      for ckey in args.clusters.split(","):
-        cluster = CLUSTERS[ckey]
-        print(f"[fidelity] {name} mesh {mkey} cluster {ckey}",
-              file=sys.stderr, flush=True)
-        ours = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
-                       verbose=False)
-        plans = {k: ad.hand_plan(case.step, *case.args, mesh=mesh,
-                                 in_shardings=textbook_shardings(ours, k),
-                                 cluster=cluster) for k in TEXTBOOK}
-        plans["autoddl"] = ours
-        dp_rows.append(dict(model=name, mesh=mkey, cluster=ckey,
-                            pred_ms=_dp_baseline_ms(ours),
-                            xla_ms=_user_dp_ms(case, mesh, ours, cluster)))
-        case_rows = []
-        for pname, p in plans.items():
-          s = score(p, cluster)
-          case_rows.append(dict(model=name, mesh=mkey, cluster=ckey,
-                                plan=pname, **s))
-          print(f"[fidelity]   {pname}: predicted {s['pred_ms']:.4g} ms, "
-                f"XLA {s['xla_ms']:.4g} ms", file=sys.stderr, flush=True)
-        taus.append(kendall_tau([r["pred_ms"] for r in case_rows],
-                                [r["xla_ms"] for r in case_rows]))
-        for r in case_rows:
-          r["tau"] = taus[-1]
-        rows += case_rows
+  for name, case, mkey, mesh, ckey, cluster in case_grid(args):
+    print(f"[fidelity] {name} mesh {mkey} cluster {ckey}",
+          file=sys.stderr, flush=True)
+    ours = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
+                   verbose=False)
+    plans = {k: ad.hand_plan(case.step, *case.args, mesh=mesh,
+                             in_shardings=textbook_shardings(ours, k),
+                             cluster=cluster) for k in TEXTBOOK}
+    plans["autoddl"] = ours
+    dp_rows.append(dict(model=name, mesh=mkey, cluster=ckey,
+                        pred_ms=_dp_baseline_ms(ours),
+                        xla_ms=_user_dp_ms(case, mesh, ours, cluster)))
+    case_rows = []
+    for pname, p in plans.items():
+      s = score(p, cluster)
+      case_rows.append(dict(model=name, mesh=mkey, cluster=ckey,
+                            plan=pname, **s))
+      print(f"[fidelity]   {pname}: predicted {s['pred_ms']:.4g} ms, "
+            f"XLA {s['xla_ms']:.4g} ms", file=sys.stderr, flush=True)
+    taus.append(kendall_tau([r["pred_ms"] for r in case_rows],
+                            [r["xla_ms"] for r in case_rows]))
+    for r in case_rows:
+      r["tau"] = taus[-1]
+    rows += case_rows
   _print(rows)
   print("\nThe data-parallel baseline (baseline_cost('dp')) against XLA's "
         "program for DP shardings as a user writes them (jax.jit "
