@@ -27,6 +27,15 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+def format_bytes(b: float) -> str:
+  """Bytes for people: ``"1.69 GiB"`` (three significant digits)."""
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(b) < 1024 or unit == "TiB":
+      return f"{b:.3g} {unit}"
+    b /= 1024
+  return f"{b:.3g}"
+
+
 def parse_bytes(value: float | str, what: str = "size") -> float:
   """A positive number of bytes from a number or a string (``"16GiB"``,
   ``"512MB"``, ``"1e9"``). ``bool`` is refused (``True`` is not 1 byte).

@@ -114,6 +114,11 @@ class OpGraph:
   # (the lowering stages the reshard into it inside the body)
   exit_links: dict[tuple, list[int]] = dataclasses.field(
       default_factory=dict)
+  # call context + eqn index of a scan or while -> (the carry's tensor in
+  # the body, the link op the final carry leaves by), per carry: the
+  # lowering stages the reshard from the loop's layout to the result's
+  result_links: dict[tuple, list[tuple[int, int]]] = dataclasses.field(
+      default_factory=dict)
 
 
 def _aval(a) -> Aval:
@@ -194,6 +199,7 @@ class _Builder:
     self.eqn_op: dict[tuple, int] = {}
     self.entry_links: dict[tuple, list[int]] = {}
     self.exit_links: dict[tuple, list[int]] = {}
+    self.result_links: dict[tuple, list[tuple[int, int]]] = {}
 
   def tensor(self, aval: Aval, name: str) -> int:
     t = Tensor(len(self.tensors), aval, name)
@@ -334,6 +340,8 @@ class _Builder:
       self.add_input(t, m, 1)
       results.append(self.link("~link", t, self.tensors[t].aval, weight,
                                weight))
+    self.result_links[ctx] = [(m.outs[0], self.tensors[r].producer[0])
+                              for m, r in zip(merges, results)]
     ys = []
     for t in outs[ncar:]:
       a = self.tensors[t].aval
@@ -390,8 +398,11 @@ class _Builder:
       if t is None:
         t = self.const(np.zeros(v.aval.shape, v.aval.dtype), weight)
       self.add_input(t, m, 1)
-    return [self.link("~link", c, self.tensors[c].aval, weight, weight)
-            for c in carry]
+    results = [self.link("~link", c, self.tensors[c].aval, weight, weight)
+               for c in carry]
+    self.result_links[ctx] = [(c, self.tensors[r].producer[0])
+                              for c, r in zip(carry, results)]
+    return results
 
 
 def _repeat_key(eqn, in_avals, out_avals, weight):
@@ -504,4 +515,4 @@ def build_graph(closed_jaxpr, in_names: Sequence[str],
         stacklevel=3)
   return OpGraph(bld.tensors, bld.ops, bld.var_tensor, input_ops, output_ops,
                  dict(bld.unsupported), bld.eqn_op, bld.entry_links,
-                 bld.exit_links)
+                 bld.exit_links, bld.result_links)

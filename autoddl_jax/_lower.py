@@ -29,8 +29,12 @@ traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
   reduce-scatter. A chain whose result is wanted before it ends is split in
   regions, the partial sum handed on stacked (:func:`stacked_spec`). A
   chain the lowering cannot write is left to XLA.
+* the step's results, staged into the layout they leave ``jax.jit`` in
+  (left to ``out_shardings``, the reshard is one step);
 * a loop's or branch's results, to the layout the plan gives them: the
-  reshard at a loop's exit has no op of its own.
+  reshard at a loop's exit has no op of its own, and is staged there like
+  any other (one constraint there made XLA replicate a scanned GPT's
+  activations: "Involuntary full rematerialization").
 
 Where the plan and XLA's propagation would agree anyway, the pins cost
 nothing: XLA drops constraints that match what it had.
@@ -47,9 +51,16 @@ Which mechanism is used where (issue 12's list, as measured here):
   than pinned (llama, (2, 4): 63.9 against 31.8 ms; BENCHMARKS.md §1), so
   pinning stays the planner's lowering and the boundary is a candidate;
 * Explicit-axis lowering (``jax.sharding.reshard``, ``out_sharding=`` on
-  contractions, ``unreduced`` partial sums) is not used: not yet measured
-  against the ``shard_map`` regions, which already give partial sums the
-  layout and the reduction point the plan chose.
+  contractions, ``unreduced`` partial sums) is not used. Measured on every
+  reshard pair of 1- and 2-axis meshes (``benchmarks/transitions.py
+  --explicit``: the partial sum made by a contraction with
+  ``out_sharding=PartitionSpec(..., unreduced=...)``, reduced by the
+  ``reshard`` that leaves it): staged along the model's path it matches the
+  model on 1063 of 1063 pairs -- exactly what staged constraints do -- and
+  as one ``reshard`` per transition on 669 (one constraint: 677). It buys
+  nothing the constraints and ``shard_map`` regions do not, and it would
+  need every op of the step traced again on Explicit axes; staging is what
+  makes XLA follow the plan, whichever way a layout is written.
 
 Scan, cond and while bodies are rebuilt with ``lax.scan``/``lax.switch``/
 ``lax.while_loop`` around the same interpreter, so the layers in a scan are
@@ -180,11 +191,11 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
     if name in INLINE:
       outs = _inline(eqn, invals, sub, pins)
     elif name == "scan":
-      outs = _scan(eqn, invals, sub, pins)
+      outs = _loop_exit(_scan(eqn, invals, sub, pins), sub, pins)
     elif name == "cond":
       outs = _cond(eqn, invals, sub, pins)
     elif name == "while":
-      outs = _while(eqn, invals, sub, pins)
+      outs = _loop_exit(_while(eqn, invals, sub, pins), sub, pins)
     else:
       outs = _bind(eqn, invals, pins.mesh)
       if not eqn.primitive.multiple_results:
@@ -487,6 +498,13 @@ def _scan(eqn, invals, ctx, pins):
   return [*carry, *ys]
 
 
+def _loop_exit(outs, ctx, pins):
+  """A loop's carried results, resharded from the layout the loop carried
+  them in to the plan's, staged one mesh axis at a time."""
+  return [pins.constrain_path(x, pins.inputs.get((ctx, ("out", j))))
+          for j, x in enumerate(outs)]
+
+
 def _cond(eqn, invals, ctx, pins):
   index, ops = invals[0], invals[1:]
   fns = []
@@ -550,6 +568,8 @@ def planned_function(closed_jaxpr, in_tree, out_tree, pins: Pins,
     with jax.sharding.use_abstract_mesh(pins.mesh.abstract_mesh):
       outs = interpret(closed_jaxpr.jaxpr, closed_jaxpr.consts, flat, (),
                        pins)
+      outs = [pins.constrain_path(x, pins.inputs.get(((), ("result", j))))
+              for j, x in enumerate(outs)]
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
   return fn

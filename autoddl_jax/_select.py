@@ -10,7 +10,9 @@ rest) -- and keeps the one whose compiled program is fastest on the plan's
 :class:`~autoddl_jax.Cluster` (:class:`~autoddl_jax._verify.CompiledScore`:
 XLA's FLOPs at the sustained rate plus its emitted collectives on the links
 of the groups they span), among those whose ``memory_analysis`` peak fits the
-memory budget.
+memory budget. The compile log is read too: a candidate for which XLA logs
+"Involuntary full rematerialization" (it replicated a whole tensor to get
+from one sharding to the next) ranks after every candidate without.
 
 Compiling takes ``jax.ShapeDtypeStruct`` arguments: nothing is allocated.
 Candidates are compiled in order of promise until ``time_limit`` seconds have
@@ -31,7 +33,8 @@ from typing import Any
 
 import jax
 
-from autoddl_jax._verify import CompiledScore, compile_plan
+from autoddl_jax._cluster import format_bytes
+from autoddl_jax._verify import CompiledScore, compile_log, compile_plan
 
 LOWERINGS = ("pinned", "boundary")
 
@@ -81,22 +84,17 @@ class Selection:
       note = ("<- chosen" if i == self.winner else
               c.skipped or (f"failed: {c.error[:60]}" if c.error else
                             ("over budget" if c.fits is False else "")))
+      if s is not None and s.remat_warnings:
+        note = f"{note} (XLA: {s.remat_warnings} full remat)".strip()
       rows.append((
           c.name, c.lowering, f"{c.predicted_s * 1e3:.4g} ms",
           "" if s is None else f"{s.time_s * 1e3:.4g} ms",
           "" if s is None else f"{s.comm_s * 1e3:.4g} ms",
           "" if s is None or s.memory_bytes is None else
-          _fmt_bytes(s.memory_bytes),
+          format_bytes(s.memory_bytes),
           f"{c.compile_seconds:.1f} s" if s is not None or c.error else "",
           note))
     return rows
-
-
-def _fmt_bytes(b: float) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if b >= size:
-      return f"{b / size:.3g} {unit}"
-  return f"{b:.0f} B"
 
 
 def compiler_options(mesh) -> dict[str, Any] | None:
@@ -141,9 +139,11 @@ def select(candidates: Sequence[tuple[str, str, Any]], *,
       continue
     t1 = time.perf_counter()
     try:
-      compiled, mesh = compile_plan(plan, lowering == "pinned",
-                                    compiler_options(plan.mesh))
-      score = CompiledScore.of(compiled, mesh, plan.mesh_info, plan.cluster)
+      with compile_log() as log:
+        compiled, mesh = compile_plan(plan, lowering == "pinned",
+                                      compiler_options(plan.mesh))
+      score = CompiledScore.of(compiled, mesh, plan.mesh_info, plan.cluster,
+                               log="".join(log))
     except Exception as e:  # noqa: BLE001 (reported; the others still run)
       out.append(dataclasses.replace(
           c, compile_seconds=time.perf_counter() - t1,
@@ -161,10 +161,19 @@ def select(candidates: Sequence[tuple[str, str, Any]], *,
   done = [i for i, c in enumerate(out) if c.compiled is not None]
   fit = [i for i in done if out[i].fits is not False]
   if fit:
-    # Ties go to the earlier candidate (the search's plan comes first).
-    win = min(fit, key=lambda i: (out[i].compiled.time_s, i))
+    # A program XLA had to rematerialise in full is not the plan it was
+    # given (a whole tensor replicated somewhere, for a moment): it comes
+    # after every program without, whatever its score. Ties go to the
+    # earlier candidate (the search's plan comes first).
+    win = min(fit, key=lambda i: (bool(out[i].compiled.remat_warnings),
+                                  out[i].compiled.time_s, i))
     reason = "fastest compiled program" + (
         " within the memory budget" if budget is not None else "")
+    if out[win].compiled.remat_warnings:
+      reason += " (every candidate made XLA rematerialise a tensor in full)"
+    elif any(out[i].compiled.remat_warnings and
+             out[i].compiled.time_s < out[win].compiled.time_s for i in fit):
+      reason += " without a full rematerialisation in XLA's log"
   elif done:
     win = min(done, key=lambda i: (out[i].compiled.memory_bytes or math.inf,
                                    i))

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -18,6 +23,35 @@ if TYPE_CHECKING:
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
          "collective-permute")
 TOLERANCE = 0.10  # disagreements beyond this are flagged
+# What XLA's SPMD partitioner logs when it cannot go from one sharding to
+# another but by replicating the whole tensor and slicing it again: the
+# program then holds a full copy the plan never made.
+REMAT_WARNING = "Involuntary full rematerialization"
+
+
+@contextlib.contextmanager
+def compile_log() -> Iterator[list[str]]:
+  """Captures what XLA writes to the process's stderr (file descriptor 2:
+  XLA's C++ logging does not go through Python) while the block runs; the
+  list it yields holds the text afterwards. The text is written on to the
+  real stderr too, so a user still sees every warning. Not thread-safe:
+  another thread's stderr output in the meantime is captured as well."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  out: list[str] = []
+  with tempfile.TemporaryFile() as f:
+    os.dup2(f.fileno(), 2)
+    try:
+      yield out
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      f.seek(0)
+      data = f.read()
+      if data:
+        os.write(2, data)
+      out.append(data.decode(errors="replace"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +174,13 @@ class CompiledScore:
   comm_bytes: float
   flops: float
   memory_bytes: float | None
+  # "Involuntary full rematerialization" lines in the compile log (None: the
+  # log was not read)
+  remat_warnings: int | None = None
 
   @classmethod
-  def of(cls, compiled: Any, mesh: Any, mi: Any, cluster: Any
-         ) -> CompiledScore:
+  def of(cls, compiled: Any, mesh: Any, mi: Any, cluster: Any,
+         log: str | None = None) -> CompiledScore:
     cols = _hlo.collectives(compiled, mesh)
     cost = _first(compiled.cost_analysis())
     flops = float(cost.get("flops", 0.0)) if cost else 0.0
@@ -154,7 +191,9 @@ class CompiledScore:
     return cls(time_s=compute + comm, compute_s=compute, comm_s=comm,
                comm_bytes=sum(c.total_bytes_per_device for c in cols),
                flops=flops,
-               memory_bytes=None if mem is None else peak_bytes(mem))
+               memory_bytes=None if mem is None else peak_bytes(mem),
+               remat_warnings=None if log is None else
+               log.count(REMAT_WARNING))
 
 
 def compile_plan(plan: Plan, pin_inputs: bool = True,

@@ -109,7 +109,9 @@ def test_derivatives_of_the_planned_function_keep_custom_rules():
   x = jnp.ones((64, 16))
   plan = ad.plan(loss, w, x, mesh=_auto_mesh(), cluster=TEST_CLUSTER)
   planned = plan.jit()
-  assert rel_err(planned(w, x), loss(w, x)) <= 1e-6
+  # rel 1e-5, as for every plan: a float32 sum of 1024 squares is ~5e-6 off
+  # in either order (eager: 2647.0088, planned: 2646.9956, exact: 2646.997).
+  assert rel_err(planned(w, x), loss(w, x)) <= 1e-5
   want = jax.grad(loss, argnums=(0, 1))(w, x)
   got = jax.grad(planned, argnums=(0, 1))(w, x)
   for g, r in zip(got, want):
