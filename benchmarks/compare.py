@@ -5,8 +5,8 @@
         [--size realistic] [--exact-limit 10]
         [--csv benchmarks/results/compare.csv] [--peaks CSV]
 
-(``--budgets 0.6 --peaks benchmarks/results/compare.csv`` runs only the
-budgeted cases, with DP's peaks from an earlier run's CSV.)
+(``--budgets 0.6`` runs only the budgeted cases: DP's peak is compiled for
+each, or read from an earlier run's CSV with ``--peaks``.)
 
 For each held-out zoo model (benchmarks/zoo.py, compiled abstractly: nothing
 allocated) x mesh x cluster x memory budget (none, and fractions of the DP
@@ -24,8 +24,10 @@ rate plus its emitted collectives on the cluster's alpha-beta links, and its
 Per case the table gives the best fitting textbook plan, the search's own
 plan (what the cost model alone returns, ``select="model"``), the chosen
 plan, each against the best textbook plan, and the search's gap to the exact
-optimum of its cost model (MILP, no budget). Summary lines follow; a CSV has
-every candidate.
+optimum of its cost model (MILP, no budget: ``exact_gap`` by what the two
+plans cost, ``pairwise_gap`` by the objective the MILP minimises).
+``--exact-only`` prints just those gaps (no compiling). Summary lines follow;
+a CSV has every candidate.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # XLA's partitioner warnings
+# XLA's warnings stay on: selection reads "Involuntary full
+# rematerialization" from the compile log (INFO lines are dropped).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 import jax  # noqa: E402
 
@@ -47,6 +51,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax import _search  # noqa: E402
 from autoddl_jax._api import TEXTBOOK  # noqa: E402
+from autoddl_jax._select import compiler_options  # noqa: E402
+from autoddl_jax._verify import CompiledScore, compile_plan  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402
@@ -74,9 +80,14 @@ def main(argv=None):
                        "peaks set the budgets, and the unbudgeted runs are "
                        "not repeated")
   ap.add_argument("--csv", default="benchmarks/results/compare.csv")
+  ap.add_argument("--exact-only", action="store_true",
+                  help="only the search's gaps to the exact optimum")
   args = ap.parse_args(argv)
+  if args.exact_only:
+    return _gaps_only(args)
   fracs = [None if b == "none" else float(b)
            for b in args.budgets.split(",")]
+  fracs.sort(key=lambda f: f is not None)  # unbudgeted first: DP's peak
   known = {}
   if args.peaks:
     with open(args.peaks) as f:
@@ -84,12 +95,12 @@ def main(argv=None):
                float(r["xla_mem_gib"]) * 2**30 for r in csv.DictReader(f)
                if r["candidate"] == "dp" and r["budget"] == "-"
                and r["xla_mem_gib"]}
-  elif fracs[0] is not None:
-    fracs = [None] + fracs  # the budgets are fractions of DP's peak there
   t0 = time.perf_counter()
   cases, cand_rows = [], []
   for name, case, mkey, mesh, ckey, cluster in case_grid(args):
     dp_peak = known.get((name, mkey, ckey))
+    if dp_peak is None and None not in fracs:
+      dp_peak = _dp_peak(case, mesh, cluster)
     for frac in fracs:
       if frac is not None and ckey not in args.budget_clusters.split(","):
         continue
@@ -115,6 +126,7 @@ def main(argv=None):
             xla_mem_gib=c.compiled.memory_bytes / 2**30
             if c.compiled else "",
             fits=c.fits, chosen=i == sel.winner,
+            remat=c.compiled.remat_warnings if c.compiled else "",
             note=c.skipped or c.error or ""))
       if frac is None:
         dp_peak = next(c.compiled.memory_bytes for c in cs
@@ -124,11 +136,9 @@ def main(argv=None):
       book = min(books, key=lambda c: c.compiled.time_s)
       own = cs[0]  # the search's plan, all pins: the model's choice
       won = cs[sel.winner]
-      gap = ""
+      gap = pairwise = ""
       if frac is None and plan.search is not None:
-        ex = _search.exact(plan.problem, time_limit=args.exact_limit)
-        gap = ("timeout" if ex is None else
-               f"{plan.search.objective / ex.objective - 1:+.2%}")
+        gap, pairwise = _exact_gaps(plan, args.exact_limit)
       emitted = won.compiled.comm_bytes
       cases.append(dict(
           head, best_textbook=book.name,
@@ -141,15 +151,18 @@ def main(argv=None):
           chosen_vs=won.compiled.time_s / book.compiled.time_s,
           pred_emit=plan.cost.comm_bytes / emitted if emitted
           else (1.0 if plan.cost.comm_bytes == 0 else math.inf),
+          remat=won.compiled.remat_warnings,
           search_s=plan.search_seconds, select_s=sel.seconds,
-          exact_gap=gap))
+          exact_gap=gap, pairwise_gap=pairwise))
       print(f"[compare]   chosen {cases[-1]['chosen']} "
             f"{cases[-1]['chosen_vs']:.3f} x best textbook "
             f"({book.name}); search's plan {cases[-1]['search_vs']:.3f}",
             file=sys.stderr, flush=True)
   _table(["model", "mesh", "cluster", "budget", "best_textbook",
-          "textbook_ms", "search_ms", "search_vs", "chosen", "chosen_ms",
-          "chosen_vs", "pred_emit", "search_s", "select_s", "exact_gap"],
+          "textbook_ms", "search_ms", "search_vs", "search_fits", "chosen",
+          "chosen_ms",
+          "chosen_vs", "pred_emit", "remat", "search_s", "select_s",
+          "exact_gap", "pairwise_gap"],
          cases)
   _summary(cases)
   os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
@@ -160,6 +173,47 @@ def main(argv=None):
   print(f"\nwrote {args.csv} (every candidate); "
         f"{time.perf_counter() - t0:.0f} s in all; jax {jax.__version__}, "
         f"autoddl_jax {ad.__version__}")
+
+
+def _exact_gaps(plan: ad.Plan, limit: float) -> tuple[str, str]:
+  """The search's plan against the exact optimum (MILP) of the search's
+  pairwise model: by what each plan costs (``plan.cost``: consumers sharing
+  a reshard pay it once -- the measure the search's last step picks by) and
+  by the pairwise objective the MILP minimises (every consumer pays its own
+  reshard). "timeout" if the MILP did not finish in ``limit`` seconds."""
+  prob = plan.problem
+  ex = _search.exact(prob, time_limit=limit)
+  if ex is None:
+    return "timeout", "timeout"
+  cost = _search.score(prob, plan.choice) / _search.score(prob, ex.choice)
+  pair = _search.objective(prob, plan.choice) / ex.objective
+  return f"{cost - 1:+.2%}", f"{pair - 1:+.2%}"
+
+
+def _dp_peak(case, mesh, cluster) -> float:
+  """DP's peak by memory_analysis, as a user writes DP (the budgets are
+  fractions of it): the same program selection compiles as its "dp"
+  candidate."""
+  plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
+                 select="model", verbose=False).textbook("dp")
+  compiled, m = compile_plan(plan, False, compiler_options(plan.mesh))
+  return CompiledScore.of(compiled, m, plan.mesh_info, cluster).memory_bytes
+
+
+def _gaps_only(args):
+  rows = []
+  for name, case, mkey, mesh, ckey, cluster in case_grid(args):
+    plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
+                   select="model", verbose=False)
+    gap, pairwise = _exact_gaps(plan, args.exact_limit)
+    rows.append(dict(model=name, mesh=mkey, cluster=ckey,
+                     search_s=plan.search_seconds, exact_gap=gap,
+                     pairwise_gap=pairwise))
+    print(f"[compare] {rows[-1]}", file=sys.stderr, flush=True)
+  _table(["model", "mesh", "cluster", "search_s", "exact_gap",
+          "pairwise_gap"], rows)
+  print()
+  _gap_summary(rows)
 
 
 def _fmt(v):
@@ -200,15 +254,23 @@ def _summary(cases):
   pe = [c["pred_emit"] for c in done]
   print(f"chosen plans' predicted/emitted bytes within 0.9-1.1: "
         f"{sum(0.9 <= x <= 1.1 for x in pe)} of {len(pe)}")
-  gaps = [float(c["exact_gap"].rstrip("%")) for c in done
-          if c["exact_gap"] not in ("", "timeout")]
-  if gaps:
-    print(f"search gap to the exact optimum of its model: max "
-          f"{max(gaps):+.2f}% over {len(gaps)} cases "
-          f"({sum(c['exact_gap'] == 'timeout' for c in done)} timed out)")
+  print(f"chosen plans XLA logged an \"Involuntary full rematerialization\" "
+        f"for: {sum(bool(c['remat']) for c in done)} of {len(done)}")
+  _gap_summary(done)
   nofit = [c for c in cases if c.get("chosen") == "(none fits)"]
   if nofit:
     print(f"no plan fits: {len(nofit)} cases")
+
+
+def _gap_summary(done):
+  for col, what in (("exact_gap", "by plan cost"),
+                    ("pairwise_gap", "by the MILP's pairwise objective")):
+    gaps = [float(c[col].rstrip("%")) for c in done
+            if c.get(col) not in (None, "", "timeout")]
+    if gaps:
+      print(f"search's plan against the exact optimum of its model, {what}: "
+            f"max {max(gaps):+.2f}% over {len(gaps)} cases "
+            f"({sum(c[col] == 'timeout' for c in done)} timed out)")
 
 
 if __name__ == "__main__":

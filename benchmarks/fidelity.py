@@ -45,7 +45,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
-from autoddl_jax._sbp import codes_to_spec  # noqa: E402
 from autoddl_jax import _hlo  # noqa: E402
 from autoddl_jax._cluster import mesh_info  # noqa: E402
 from autoddl_jax._verify import _first, compare_compiled, compile_plan  # noqa: E402
@@ -86,16 +85,8 @@ def _xla_score(compiled, mesh, cluster):
 
 
 def textbook_shardings(plan: ad.Plan, kind: str):
-  """The in_shardings pytree of one of the plan's textbook seeds."""
-  prob, graph = plan.problem, plan.graph
-  pins = plan._seeds[kind]  # noqa: SLF001 (the planner's own seeds)
-  names = plan.mesh_info.axis_names
-  specs = []
-  for o, a in zip(graph.input_ops, plan._traced.in_avals):  # noqa: SLF001
-    k = pins.get(o)
-    codes = prob.cands[o][k][0] if k is not None else (-1,) * len(names)
-    specs.append(codes_to_spec(codes, len(a.shape), names))
-  return jax.tree_util.tree_unflatten(plan._traced.in_tree, specs)  # noqa
+  """The in_shardings pytree of a textbook plan, as a user writes it."""
+  return plan.textbook(kind).in_specs
 
 
 def score(plan: ad.Plan, cluster: ad.Cluster) -> dict:

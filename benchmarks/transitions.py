@@ -37,14 +37,14 @@ if __name__ == "__main__":
 
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax._cluster import mesh_info  # noqa: E402
 from autoddl_jax._cost import (transition_states, transition_steps,  # noqa: E402
                               valid_states)
 from autoddl_jax._lower import Pins, _local_reduce, reductions  # noqa: E402  # noqa: E402
-from autoddl_jax._sbp import P_CODE, codes_to_spec  # noqa: E402
+from autoddl_jax._sbp import B_CODE, P_CODE, codes_to_spec  # noqa: E402
 
 MESHES = {"4": (4,), "8": (8,), "2x4": (2, 4), "4x2": (4, 2),
           "2x2x2": (2, 2, 2)}
@@ -54,11 +54,60 @@ TOLERANCE = 0.10
 
 
 @functools.lru_cache(maxsize=None)
-def make_mesh(shape: tuple[int, ...]):
+def make_mesh(shape: tuple[int, ...], kind: AxisType = AxisType.Auto):
   n = math.prod(shape)
   return jax.make_mesh(shape, NAMES[:len(shape)],
-                       axis_types=(AxisType.Auto,) * len(shape),
+                       axis_types=(kind,) * len(shape),
                        devices=jax.devices()[:n])
+
+
+def _explicit_spec(codes, rank: int, names) -> PartitionSpec:
+  """The PartitionSpec of nd codes on Explicit axes, P as ``unreduced``."""
+  spec = codes_to_spec(tuple(B_CODE if c == P_CODE else c for c in codes),
+                       rank, names)
+  unreduced = {n for n, c in zip(names, codes) if c == P_CODE}
+  return PartitionSpec(*spec, unreduced=unreduced) if unreduced else spec
+
+
+def _explicit_bytes(mesh, shape, src, dst, path=()) -> dict[str, float]:
+  """As :func:`_xla_bytes`, lowered the Explicit-axes way (issue 12's first
+  mechanism): ``jax.sharding.reshard`` to each layout of ``path`` in turn
+  (or to ``dst`` in one call), a partial sum made by a contraction with
+  ``out_sharding=PartitionSpec(..., unreduced=...)`` and reduced by the
+  reshard that leaves it."""
+  names = mesh.axis_names
+  rank = len(shape)
+  steps = [c for c in path if c != src] or [dst]
+  p_axes = tuple(n for n, c in zip(names, src) if c == P_CODE)
+
+  def go(v):
+    for c in steps:
+      v = jax.sharding.reshard(v, _explicit_spec(c, rank, names))
+    return v
+
+  with jax.set_mesh(mesh):
+    if not p_axes:
+      x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(
+          mesh, codes_to_spec(src, rank, names)))
+      fn, args = jax.jit(go), (x,)
+    else:
+      k = math.prod(mesh.shape[n] for n in p_axes)
+      a_codes = tuple(rank if c == P_CODE else c for c in src)
+      b_codes = tuple(0 if c == P_CODE else -1 for c in src)
+      a = jax.ShapeDtypeStruct(shape + (k,), jnp.float32,
+                               sharding=NamedSharding(mesh, codes_to_spec(
+                                   a_codes, rank + 1, names)))
+      b = jax.ShapeDtypeStruct((k,), jnp.float32, sharding=NamedSharding(
+          mesh, codes_to_spec(b_codes, 1, names)))
+      out = _explicit_spec(src, rank, names)
+      fn = jax.jit(lambda u, w: go(lax.dot_general(
+          u, w, (((rank,), (0,)), ((), ())), out_sharding=out)))
+      args = (a, b)
+    compiled = fn.lower(*args).compile()
+  got: dict[str, float] = collections.defaultdict(float)
+  for c in ad.collectives(compiled, mesh):
+    got[c.kind] += c.total_bytes_per_device
+  return dict(got)
 
 
 def _xla_bytes(mesh, shape, src, dst, path=()) -> dict[str, float]:
@@ -116,16 +165,19 @@ def _model_bytes(mi, shape, src, dst) -> dict[str, float]:
 
 
 def compare(mesh_shape: tuple[int, ...], shape: tuple[int, ...], src, dst,
-            staged: bool = True):
+            staged: bool = True, explicit: bool = False):
   """(model bytes by kind, XLA bytes by kind) of one transition, lowered
   as the planner lowers it (staged through the model's path) or, with
-  ``staged=False``, as one constraint left to XLA."""
-  mesh = make_mesh(mesh_shape)
+  ``staged=False``, as one constraint left to XLA; ``explicit`` lowers it
+  with ``jax.sharding.reshard`` on Explicit axes instead."""
+  mesh = make_mesh(mesh_shape, AxisType.Explicit if explicit
+                   else AxisType.Auto)
   mi = mesh_info(mesh, ad.H100_NODE)
   path = transition_states(src, dst, math.prod(shape) * 4, shape, mi) \
       if staged else ()
+  lower = _explicit_bytes if explicit else _xla_bytes
   return (_model_bytes(mi, shape, src, dst),
-          _xla_bytes(mesh, shape, src, dst, path))
+          lower(mesh, shape, src, dst, path))
 
 
 def agrees(model: dict[str, float], xla: dict[str, float]) -> bool:
@@ -153,11 +205,14 @@ def main(argv=None):
   ap.add_argument("--ranks", default="2,3")
   ap.add_argument("--unstaged", action="store_true",
                   help="one constraint per reshard, XLA finds the way")
+  ap.add_argument("--explicit", action="store_true",
+                  help="lower with jax.sharding.reshard on Explicit axes, "
+                       "partial sums as unreduced")
   ap.add_argument("--all", action="store_true",
                   help="print agreeing pairs too")
   args = ap.parse_args(argv)
   t0 = time.perf_counter()
-  total = ok = 0
+  total = ok = failures = 0
   by_reason: collections.Counter = collections.Counter()
   for mkey in args.meshes.split(","):
     for rank in (int(r) for r in args.ranks.split(",")):
@@ -166,8 +221,16 @@ def main(argv=None):
       print(f"[transitions] mesh {mkey} rank {rank}: {len(ps)} pairs",
             file=sys.stderr, flush=True)
       for src, dst in ps:
-        model, xla = compare(MESHES[mkey], SHAPES[rank], src, dst,
-                             staged=not args.unstaged)
+        try:
+          model, xla = compare(MESHES[mkey], SHAPES[rank], src, dst,
+                               staged=not args.unstaged,
+                               explicit=args.explicit)
+        except Exception as e:  # noqa: BLE001 (a lowering jax refuses)
+          model, xla = {}, {f"error: {type(e).__name__}": 1e30}
+          if args.all or failures < 3:
+            print(f"{mkey:6} {str(SHAPES[rank]):12} {src} -> {dst}: "
+                  f"{type(e).__name__}: {str(e)[:200]}")
+          failures += 1
         good = agrees(model, xla)
         n_ok += good
         if not good:
