@@ -260,3 +260,20 @@ def test_the_compare_plot_reads_ratios_from_compare_csv(tmp_path):
   path.write_text("model,mesh,cluster,budget,candidate,lowering,xla_ms,"
                   "fits,chosen\n" + "\n".join(",".join(r) for r in rows))
   assert plot_compare.ratios([path]) == [("llama 8 2x4 0.6x DP", 0.8, 0.8)]
+
+
+def test_a_scanned_gpt_leaves_its_layer_loop_without_a_full_remat():
+  # Before the lowering staged a loop's exit reshard, this plan's forward
+  # scan handed its activations from an 8-way batch split to the layout
+  # after the loop in one constraint, and XLA replicated them to get there.
+  # Two layers at GPT-12's width (the tiny zoo never hit this).
+  from autoddl_jax import models
+  ex = models.gpt(models.GptConfig(vocab=32768, d_model=768, n_heads=12,
+                                   n_layers=2, seq=1024, batch=32,
+                                   scan=True), abstract=True)
+  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4), explicit=False),
+                 select="model")
+  assert plan.graph.result_links  # it has a layer loop
+  with compile_log() as log:
+    compile_plan(plan, compiler_options=compiler_options(plan.mesh))
+  assert REMAT_WARNING not in "".join(log)
