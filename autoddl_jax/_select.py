@@ -49,8 +49,9 @@ class Candidate:
   ``"pinned"`` (every layout of the plan pinned, partial sums run on local
   blocks) or ``"boundary"`` (only the jit boundary: XLA propagates the
   rest). ``compiled`` is None when it was not compiled: ``skipped`` says why
-  (out of time, or the same program as an earlier candidate) and ``error``
-  holds a failed compile's message.
+  (out of time) and ``error`` holds a failed compile's message. A candidate
+  that is the same program as an earlier one is not compiled again but
+  carries that one's score (``skipped`` names it).
   """
 
   name: str
@@ -92,7 +93,8 @@ class Selection:
           "" if s is None else f"{s.comm_s * 1e3:.4g} ms",
           "" if s is None or s.memory_bytes is None else
           format_bytes(s.memory_bytes),
-          f"{c.compile_seconds:.1f} s" if s is not None or c.error else "",
+          f"{c.compile_seconds:.1f} s" if (s is not None and not c.skipped)
+          or c.error else "",
           note))
     return rows
 
@@ -128,9 +130,13 @@ def select(candidates: Sequence[tuple[str, str, Any]], *,
     c = Candidate(name, lowering, plan.cost.time_s, plan.cost.memory_bytes)
     k = key(plan, lowering)
     if k in seen:
+      # The same program: not compiled again, but scored as it was (a
+      # textbook plan the search's own boundary equals is still there to
+      # be compared with).
+      first = out[seen[k]]
       out.append(dataclasses.replace(
-          c, skipped=f"same program as {out[seen[k]].name} "
-          f"({out[seen[k]].lowering})"))
+          c, compiled=first.compiled, fits=first.fits,
+          skipped=f"same program as {first.name} ({first.lowering})"))
       continue
     seen[k] = len(out)
     if out and not everyone and time.perf_counter() - t0 > time_limit:
