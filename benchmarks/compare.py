@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import sys
@@ -59,6 +60,38 @@ import zoo  # noqa: E402
 from fidelity import CLUSTERS, MESHES, case_grid  # noqa: E402 (same cases)
 
 
+COLUMNS = ["model", "mesh", "cluster", "budget", "best_textbook",
+           "textbook_ms", "search_ms", "search_vs", "search_fits", "chosen",
+           "chosen_ms", "chosen_vs", "pred_emit", "remat", "search_s",
+           "select_s", "exact_gap", "pairwise_gap"]
+FLOATS = ("textbook_ms", "search_ms", "search_vs", "chosen_ms", "chosen_vs",
+          "pred_emit", "search_s", "select_s")
+
+
+def _read_table(path: str) -> list[dict]:
+  """The case rows of a table this script printed (fixed-width columns)."""
+  with open(path) as f:
+    lines = f.read().splitlines()
+  at = next(i for i, ln in enumerate(lines) if ln.startswith("model "))
+  head = lines[at]
+  starts = [head.index(c if i == 0 else "  " + c) + (0 if i == 0 else 2)
+            for i, c in enumerate(COLUMNS)]
+  rows = []
+  for ln in lines[at + 1:]:
+    if not ln.strip():
+      break
+    cells = [ln[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
+    r = dict(zip(COLUMNS, cells))
+    if r["chosen"] != "(none fits)":
+      for k in FLOATS:
+        if r[k]:
+          r[k] = float(r[k])
+      r["remat"] = int(r["remat"])
+      r["search_fits"] = {"True": True, "False": False}.get(r["search_fits"])
+    rows.append({k: v for k, v in r.items() if v != ""})
+  return rows
+
+
 def _budget_label(frac):
   return "-" if frac is None else f"{frac:g}x DP"
 
@@ -82,9 +115,16 @@ def main(argv=None):
   ap.add_argument("--csv", default="benchmarks/results/compare.csv")
   ap.add_argument("--exact-only", action="store_true",
                   help="only the search's gaps to the exact optimum")
+  ap.add_argument("--summarize", nargs="+", metavar="TXT",
+                  help="print one table and summary from the outputs of "
+                       "several runs (a split run: --models in parts)")
   args = ap.parse_args(argv)
   if args.exact_only:
     return _gaps_only(args)
+  if args.summarize:
+    cases = [c for path in args.summarize for c in _read_table(path)]
+    _table(COLUMNS, cases)
+    return _summary(cases)
   fracs = [None if b == "none" else float(b)
            for b in args.budgets.split(",")]
   fracs.sort(key=lambda f: f is not None)  # unbudgeted first: DP's peak
@@ -133,9 +173,19 @@ def main(argv=None):
                        if c.name == "dp" and c.compiled)
       books = [c for c in cs if c.name in TEXTBOOK and c.compiled
                and c.fits is not False]
-      book = min(books, key=lambda c: c.compiled.time_s)
       own = cs[0]  # the search's plan, all pins: the model's choice
       won = cs[sel.winner]
+      if not books:  # the planner's plan fits where no hand plan does
+        cases.append(dict(
+            head, best_textbook="(none fits)",
+            chosen=f"{won.name} ({won.lowering})",
+            chosen_ms=won.compiled.time_s * 1e3, search_fits=own.fits,
+            search_s=plan.search_seconds, select_s=sel.seconds,
+            remat=won.compiled.remat_warnings))
+        print(f"[compare]   chosen {cases[-1]['chosen']}: no textbook plan "
+              "fits", file=sys.stderr, flush=True)
+        continue
+      book = min(books, key=lambda c: c.compiled.time_s)
       gap = pairwise = ""
       if frac is None and plan.search is not None:
         gap, pairwise = _exact_gaps(plan, args.exact_limit)
@@ -154,16 +204,12 @@ def main(argv=None):
           remat=won.compiled.remat_warnings,
           search_s=plan.search_seconds, select_s=sel.seconds,
           exact_gap=gap, pairwise_gap=pairwise))
+      print(f"[compare]   row {json.dumps(cases[-1])}", file=sys.stderr)
       print(f"[compare]   chosen {cases[-1]['chosen']} "
             f"{cases[-1]['chosen_vs']:.3f} x best textbook "
             f"({book.name}); search's plan {cases[-1]['search_vs']:.3f}",
             file=sys.stderr, flush=True)
-  _table(["model", "mesh", "cluster", "budget", "best_textbook",
-          "textbook_ms", "search_ms", "search_vs", "search_fits", "chosen",
-          "chosen_ms",
-          "chosen_vs", "pred_emit", "remat", "search_s", "select_s",
-          "exact_gap", "pairwise_gap"],
-         cases)
+  _table(COLUMNS, cases)
   _summary(cases)
   os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
   with open(args.csv, "w", newline="") as f:
@@ -234,11 +280,13 @@ def _gmean(xs):
 
 
 def _summary(cases):
-  done = [c for c in cases if "chosen_vs" in c]
+  done = [c for c in cases if c.get("chosen_vs", "") != ""]
   if not done:
     return
   chosen = [c["chosen_vs"] for c in done]
-  own = [c["search_vs"] for c in done]
+  # The search's own plan counts where it fits the budget by memory_analysis
+  # (a plan that does not fit is no plan).
+  own = [c["search_vs"] for c in done if c.get("search_fits") is not False]
   worse = [c for c in done if c["chosen_vs"] > 1 + 1e-9]
   books = [c for c in done if c["chosen"].split(" ")[0] in TEXTBOOK]
   print(f"\nchosen plan vs best textbook plan (compiled score): geometric "
@@ -246,7 +294,8 @@ def _summary(cases):
         f"cases, better on {sum(x < 1 - 1e-9 for x in chosen)}")
   print(f"the search's own plan (select='model') vs best textbook: geometric "
         f"mean {_gmean(own):.3f}, worse on "
-        f"{sum(x > 1 + 1e-9 for x in own)} of {len(own)}")
+        f"{sum(x > 1 + 1e-9 for x in own)} of {len(own)} (over the budget by "
+        f"memory_analysis, not counted: {len(done) - len(own)})")
   for c in books:
     print(f"  no plan better than a textbook plan found: {c['model']} mesh "
           f"{c['mesh']} cluster {c['cluster']} budget {c['budget']} -> "
@@ -259,7 +308,13 @@ def _summary(cases):
   _gap_summary(done)
   nofit = [c for c in cases if c.get("chosen") == "(none fits)"]
   if nofit:
-    print(f"no plan fits: {len(nofit)} cases")
+    print(f"no plan fits (not counted): {len(nofit)} cases")
+  only = [c for c in cases if c.get("best_textbook") == "(none fits)"]
+  if only:
+    print(f"the planner's plan fits where no textbook plan does (not "
+          f"counted above): {len(only)} cases: " + ", ".join(
+              f"{c['model']} {c['mesh']} {c['cluster']} {c['budget']}"
+              for c in only))
 
 
 def _gap_summary(done):
@@ -270,7 +325,7 @@ def _gap_summary(done):
     if gaps:
       print(f"search's plan against the exact optimum of its model, {what}: "
             f"max {max(gaps):+.2f}% over {len(gaps)} cases "
-            f"({sum(c[col] == 'timeout' for c in done)} timed out)")
+            f"({sum(c.get(col) == 'timeout' for c in done)} timed out)")
 
 
 if __name__ == "__main__":
