@@ -6,7 +6,7 @@ textbook plan, by the compiled program.
 
 Reads the CSVs compare.py writes (every candidate of every case) and draws,
 per case, the chosen plan's compiled score and the search's own plan's
-(``select="model"``), each divided by the best textbook plan that fits
+(``select="model"``, where it fits), each divided by the best textbook plan that fits
 (DP, FSDP, Megatron, FSDP+TP as users write them). Below 1 is better than
 the best hand plan. Needs matplotlib (``pip install -e '.[plot]'``).
 """
@@ -35,8 +35,10 @@ def ratios(paths):
     books = [float(r["xla_ms"]) for r in done
              if r["candidate"] in TEXTBOOK and r["fits"] != "False"]
     chosen = [float(r["xla_ms"]) for r in done if r["chosen"] == "True"]
+    # the search's own plan, where it fits the budget (else it is no plan)
     own = [float(r["xla_ms"]) for r in done
-           if r["candidate"] == "search" and r["lowering"] == "pinned"]
+           if r["candidate"] == "search" and r["lowering"] == "pinned"
+           and r["fits"] != "False"]
     if not books or not chosen:
       continue  # nothing fits: the case does not count
     best = min(books)
