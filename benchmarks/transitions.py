@@ -61,6 +61,14 @@ def make_mesh(shape: tuple[int, ...], kind: AxisType = AxisType.Auto):
                        devices=jax.devices()[:n])
 
 
+def _bytes_by_kind(compiled, mesh) -> dict[str, float]:
+  """Ring-model bytes per device of the program's collectives, by kind."""
+  got: dict[str, float] = collections.defaultdict(float)
+  for c in ad.collectives(compiled, mesh):
+    got[c.kind] += c.total_bytes_per_device
+  return dict(got)
+
+
 def _explicit_spec(codes, rank: int, names) -> PartitionSpec:
   """The PartitionSpec of nd codes on Explicit axes, P as ``unreduced``."""
   spec = codes_to_spec(tuple(B_CODE if c == P_CODE else c for c in codes),
@@ -103,11 +111,7 @@ def _explicit_bytes(mesh, shape, src, dst, path=()) -> dict[str, float]:
       fn = jax.jit(lambda u, w: go(lax.dot_general(
           u, w, (((rank,), (0,)), ((), ())), out_sharding=out)))
       args = (a, b)
-    compiled = fn.lower(*args).compile()
-  got: dict[str, float] = collections.defaultdict(float)
-  for c in ad.collectives(compiled, mesh):
-    got[c.kind] += c.total_bytes_per_device
-  return dict(got)
+    return _bytes_by_kind(fn.lower(*args).compile(), mesh)
 
 
 def _xla_bytes(mesh, shape, src, dst, path=()) -> dict[str, float]:
@@ -149,11 +153,7 @@ def _xla_bytes(mesh, shape, src, dst, path=()) -> dict[str, float]:
     else:
       fn = jax.jit(lambda u, w: stage(contract(u, w)), out_shardings=out_sh)
     args = (a, b)
-  compiled = fn.lower(*args).compile()
-  got: dict[str, float] = collections.defaultdict(float)
-  for c in ad.collectives(compiled, mesh):
-    got[c.kind] += c.total_bytes_per_device
-  return dict(got)
+  return _bytes_by_kind(fn.lower(*args).compile(), mesh)
 
 
 def _model_bytes(mi, shape, src, dst) -> dict[str, float]:
