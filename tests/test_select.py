@@ -207,7 +207,7 @@ def test_the_compile_log_is_read_and_passed_on(capfd):
     # XLA logs the rematerialisation on each partitioning pass over the
     # program; what matters is whether it logs one at all.
     assert bool(score.remat_warnings) == bool(remats), (lowering, log)
-  # The pinned lowering stages the exit reshard one mesh axis at a time.
+  # The pinned lowering stages the result's reshard one mesh axis at a time.
   assert plan.verify().emitted_bytes == pytest.approx(
       plan.verify().predicted_bytes, rel=0.10)
   # Whatever was captured still reaches the user's stderr.
