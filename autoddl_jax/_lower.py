@@ -191,11 +191,11 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
     if name in INLINE:
       outs = _inline(eqn, invals, sub, pins)
     elif name == "scan":
-      outs = _loop_exit(_scan(eqn, invals, sub, pins), sub, pins)
+      outs = _staged_results(_scan(eqn, invals, sub, pins), sub, pins)
     elif name == "cond":
       outs = _cond(eqn, invals, sub, pins)
     elif name == "while":
-      outs = _loop_exit(_while(eqn, invals, sub, pins), sub, pins)
+      outs = _staged_results(_while(eqn, invals, sub, pins), sub, pins)
     else:
       outs = _bind(eqn, invals, pins.mesh)
       if not eqn.primitive.multiple_results:
@@ -498,10 +498,12 @@ def _scan(eqn, invals, ctx, pins):
   return [*carry, *ys]
 
 
-def _loop_exit(outs, ctx, pins):
-  """A loop's carried results, resharded from the layout the loop carried
-  them in to the plan's, staged one mesh axis at a time."""
-  return [pins.constrain_path(x, pins.inputs.get((ctx, ("out", j))))
+def _staged_results(outs, ctx, pins, tag: str = "out"):
+  """Results resharded to the plan's layouts, staged one mesh axis at a
+  time: a loop's carried results (``tag="out"``, from the layout the loop
+  carried them in) or the step's (``tag="result"``, into the layout they
+  leave the jit in)."""
+  return [pins.constrain_path(x, pins.inputs.get((ctx, (tag, j))))
           for j, x in enumerate(outs)]
 
 
@@ -568,8 +570,7 @@ def planned_function(closed_jaxpr, in_tree, out_tree, pins: Pins,
     with jax.sharding.use_abstract_mesh(pins.mesh.abstract_mesh):
       outs = interpret(closed_jaxpr.jaxpr, closed_jaxpr.consts, flat, (),
                        pins)
-      outs = [pins.constrain_path(x, pins.inputs.get(((), ("result", j))))
-              for j, x in enumerate(outs)]
+      outs = _staged_results(outs, (), pins, "result")
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
   return fn
