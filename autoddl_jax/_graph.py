@@ -119,6 +119,11 @@ class OpGraph:
   # lowering stages the reshard from the loop's layout to the result's
   result_links: dict[tuple, list[tuple[int, int]]] = dataclasses.field(
       default_factory=dict)
+  # link op entering or leaving a scan's or while's body -> (first, last)
+  # op id of the loop, links included: the loop's buffers (stacked xs and
+  # ys, carries, consts) live for all of it (the memory model)
+  loop_of_link: dict[int, tuple[int, int]] = dataclasses.field(
+      default_factory=dict)
 
 
 def _aval(a) -> Aval:
@@ -200,6 +205,12 @@ class _Builder:
     self.entry_links: dict[tuple, list[int]] = {}
     self.exit_links: dict[tuple, list[int]] = {}
     self.result_links: dict[tuple, list[tuple[int, int]]] = {}
+    self.loop_of_link: dict[int, tuple[int, int]] = {}
+
+  def _loop(self, start: int, links) -> None:
+    span = (start, len(self.ops) - 1)
+    for o in links:
+      self.loop_of_link[o] = span
 
   def tensor(self, aval: Aval, name: str) -> int:
     t = Tensor(len(self.tensors), aval, name)
@@ -305,6 +316,7 @@ class _Builder:
     return op
 
   def scan(self, eqn, ins, ctx, weight) -> list[int]:
+    start = len(self.ops)
     p = eqn.params
     body, body_consts = _closed(p["jaxpr"])
     nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
@@ -349,6 +361,7 @@ class _Builder:
       ys.append(self.link("~scan_ys", t, outer, inner_w, weight,
                           _stack_sigs(a.rank)))
     self.exit_links[ctx] = [self.tensors[t].producer[0] for t in ys]
+    self._loop(start, self.entry_links[ctx] + self.exit_links[ctx])
     return results + ys
 
   def cond(self, eqn, ins, ctx, weight) -> list[int]:
@@ -373,6 +386,7 @@ class _Builder:
 
   def while_(self, eqn, ins, ctx, weight) -> list[int]:
     # The trip count is unknown before running: the body is costed once.
+    start = len(self.ops)
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     ins = [t if t is not None else self.const(v.val, weight)
@@ -402,6 +416,8 @@ class _Builder:
                for c in carry]
     self.result_links[ctx] = [(c, self.tensors[r].producer[0])
                               for c, r in zip(carry, results)]
+    self._loop(start, [self.tensors[t].producer[0] for t in cond_c + body_c]
+               + [m.id for m in merges])
     return results
 
 
@@ -515,4 +531,4 @@ def build_graph(closed_jaxpr, in_names: Sequence[str],
         stacklevel=3)
   return OpGraph(bld.tensors, bld.ops, bld.var_tensor, input_ops, output_ops,
                  dict(bld.unsupported), bld.eqn_op, bld.entry_links,
-                 bld.exit_links, bld.result_links)
+                 bld.exit_links, bld.result_links, bld.loop_of_link)
