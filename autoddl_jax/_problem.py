@@ -378,12 +378,14 @@ class Problem:
     live to where it is computed. A result several ops read is computed
     once and kept from its producer to its last reader. Loops read what
     enters them for all their trips and write their stacked results (ys)
-    from their first. Measured on the zoo's 144 realistic plans (benchmarks/
-    fidelity.py): within 30% of ``memory_analysis`` on 141 with this rule,
-    on 115 counting every op's result a buffer, on 122 letting several
-    readers each recompute a cheap result (XLA may duplicate it; on the
-    ResNet it keeps BatchNorm's x - mean for the backward pass instead).
-    How buffers become allocations: :meth:`_allocations`."""
+    from their first. Measured on the zoo's 144 realistic plans (with
+    :meth:`_allocations` and :meth:`_reshard_buffers`, against
+    ``memory_analysis`` of the programs benchmarks/fidelity.py compiles):
+    within 30% on 142 with this rule, on 115 counting every op's result a
+    buffer, on 123 letting several readers each recompute a cheap result
+    and keeping only transcendental ones (XLA may duplicate a cheap
+    producer; on the ResNet it keeps BatchNorm's x - mean for the backward
+    pass instead)."""
     g = self.graph
     n = len(g.ops)
     self._live = []  # (tensor, producer op, slot, start, end)
