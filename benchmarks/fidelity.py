@@ -32,6 +32,7 @@ import dataclasses
 import itertools
 import math
 import os
+import re
 import sys
 import time
 
@@ -155,7 +156,18 @@ def main(argv=None):
   ap.add_argument("--clusters", default=",".join(CLUSTERS))
   ap.add_argument("--size", default="realistic", choices=("tiny",
                                                           "realistic"))
+  ap.add_argument("--summarize", nargs="+", metavar="TXT",
+                  help="merge the tables of runs split by --models (this "
+                       "script's printed output) into one table and summary; "
+                       "nothing is compiled")
   args = ap.parse_args(argv)
+  if args.summarize:
+    rows, taus, dp_rows = [], [], []
+    for path in args.summarize:
+      r, t, d = _read_output(path)
+      rows, taus, dp_rows = rows + r, taus + t, dp_rows + d
+    _report(rows, taus, dp_rows)
+    return
   t0 = time.perf_counter()
   rows, taus, dp_rows = [], [], []
   for name, case, mkey, mesh, ckey, cluster in case_grid(args):
@@ -182,6 +194,11 @@ def main(argv=None):
     for r in case_rows:
       r["tau"] = taus[-1]
     rows += case_rows
+  _report(rows, taus, dp_rows)
+  print(f"{time.perf_counter() - t0:.0f} s in all; jax {jax.__version__}")
+
+
+def _report(rows, taus, dp_rows):
   _print(rows)
   print("\nThe data-parallel baseline (baseline_cost('dp')) against XLA's "
         "program for DP shardings as a user writes them (jax.jit "
@@ -195,7 +212,47 @@ def main(argv=None):
            for r in dp_rows)
   print(f"data-parallel baseline within 15% of XLA's DP in {ok}/"
         f"{len(dp_rows)} cases")
-  print(f"{time.perf_counter() - t0:.0f} s in all; jax {jax.__version__}")
+
+
+def _read_output(path: str):
+  """(rows, per-case taus, DP rows) from this script's printed output (the
+  table's 4 significant digits: a ratio within 0.1% of a tolerance may
+  read either way)."""
+  with open(path) as f:
+    lines = f.read().splitlines()
+  at = next(i for i, ln in enumerate(lines) if ln.startswith("model "))
+  head = [h for h in lines[at].split("  ") if h.strip()]
+  head = [h.strip() for h in head]
+  rows, taus, dp_rows = [], [], []
+
+  def pair(cell, unit):
+    return tuple(float(x) * unit for x in cell.split("/"))
+
+  for ln in lines[at + 1:]:
+    cells = [c for c in ln.split("  ") if c.strip()]
+    if len(cells) != len(head):
+      break
+    d = dict(zip(head, (c.strip() for c in cells)))
+    by_kind = {h.split(" MiB")[0]: pair(d[h], 2**20) for h in head
+               if h.endswith("MiB pred/xla")}
+    by_kind = {k: v for k, v in by_kind.items() if v != (0.0, 0.0)}
+    rows.append(dict(model=d["model"], mesh=d["mesh"], cluster=d["cluster"],
+                     plan=d["plan"], pred_ms=float(d["pred_ms"]),
+                     xla_ms=float(d["xla_ms"]), by_kind=by_kind,
+                     flops=(float(d["flops pred/xla"]), 1.0),
+                     mem=pair(d["mem GiB pred/xla"], 2**30),
+                     tau=float(d["tau"])))
+  for i, r in enumerate(rows):
+    if i == 0 or any(r[k] != rows[i - 1][k] for k in ("model", "mesh",
+                                                        "cluster")):
+      taus.append(r["tau"])
+  for ln in lines:
+    m = re.match(r"\s+(\S+)\s+mesh (\S+)\s+cluster (\S+): predicted (\S+) ms, "
+                 r"XLA (\S+) ms", ln)
+    if m:
+      dp_rows.append(dict(model=m[1], mesh=m[2], cluster=m[3],
+                          pred_ms=float(m[4]), xla_ms=float(m[5])))
+  return rows, taus, dp_rows
 
 
 def _print(rows):

@@ -280,3 +280,28 @@ def test_a_scanned_gpt_leaves_its_layer_loop_without_a_full_remat():
   with compile_log() as log:
     compile_plan(plan, compiler_options=compiler_options(plan.mesh))
   assert REMAT_WARNING not in "".join(log)
+
+
+def test_fidelity_merges_split_runs_into_the_summary_of_one(tmp_path,
+                                                            capsys):
+  # benchmarks/fidelity.py --summarize: the committed table, split in two
+  # files by model, merges back to the summary its own run printed.
+  import fidelity
+  text = open(os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "benchmarks", "results",
+      "fidelity.txt")).read()
+  want = next(ln for ln in text.splitlines() if ln.startswith("fidelity:"))
+  lines = text.splitlines()
+  at = next(i for i, ln in enumerate(lines) if ln.startswith("model "))
+  end = next(i for i in range(at, len(lines)) if not lines[i].strip())
+  body = lines[at + 1:end]
+  dp = [ln for ln in lines if ": predicted " in ln and " mesh " in ln]
+  half = len(body) // 2 // 4 * 4  # whole cases (4 plans each)
+  for name, part, dps in (("a", body[:half], dp[:half // 4]),
+                          ("b", body[half:], dp[half // 4:])):
+    (tmp_path / f"{name}.txt").write_text(
+        "\n".join([lines[at], *part, "", *dps]) + "\n")
+  fidelity.main(["--summarize", str(tmp_path / "a.txt"),
+                 str(tmp_path / "b.txt")])
+  out = capsys.readouterr().out
+  assert want in out, (want, out[-600:])
