@@ -1203,6 +1203,9 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       fastest on ``cluster`` within the budget is returned (one for which
       XLA logs "Involuntary full rematerialization" only if all do)
       (:mod:`autoddl_jax._select`; ``plan.explain()`` shows them all).
+      With a budget, a search's plan over it by ``memory_analysis`` is
+      searched again under the budget scaled by the model's error on it
+      (twice at most: ``"search:refit1"``, ``"search:refit2"``).
       ``"model"``: the cost model's plan, nothing compiled (the default for
       an abstract mesh, which has no devices to compile for). The
       environment variable ``AUTODDL_JAX_SELECT`` sets the default.
@@ -1315,12 +1318,53 @@ def _select_compiled(best: Plan, budget: float | None, seconds: float,
   if verbose:
     progress = lambda msg: print(f"[autoddl_jax] {msg}",  # noqa: E731
                                  file=sys.stderr, flush=True)
+  key = lambda p, low: p._program_key(low)  # noqa: E731
+  t0 = time.perf_counter()
   win, sel = _select.select(cands, budget=budget, time_limit=seconds,
-                            key=lambda p, low: p._program_key(low),
-                            progress=progress)
+                            key=key, progress=progress)
+  if budget is not None:
+    # The model's memory is an estimate. Where the search's plan is over
+    # the budget by memory_analysis, search again under the budget scaled
+    # by the model's error on that plan (twice at most): a plan the model
+    # puts that much lower is one XLA puts under the budget.
+    last, target = sel.candidates[0], float(budget)
+    for attempt in range(2):
+      if last.fits is not False or not last.predicted_memory:
+        break
+      target *= last.predicted_memory / last.compiled.memory_bytes
+      refit = _refit(best, target, progress)
+      if refit is None:
+        break
+      name = f"search:refit{attempt + 1}"
+      cands.append((name, "pinned", refit))
+      prior = [(key(p, low), c) for (_, low, p), c in
+               zip(cands, sel.candidates)]
+      win, sel = _select.select(
+          [cands[-1]], budget=budget, key=key, progress=progress,
+          time_limit=max(0.0, seconds - (time.perf_counter() - t0)),
+          prior=prior)
+      last = sel.candidates[-1]
+      if last.compiled is None:
+        break
+    sel = dataclasses.replace(sel, seconds=time.perf_counter() - t0)
   chosen = best if win is None else cands[win][2]
   chosen.selection = sel
   return chosen
+
+
+def _refit(best: Plan, target: float, progress) -> Plan | None:
+  """The search's plan under a memory budget of ``target`` by the model
+  (None if none fits it)."""
+  try:
+    choice, res = _fit_budget(best.problem, best._seeds, best.search, target,
+                              None)
+  except _NoFit:
+    return None
+  if progress is not None:
+    progress(f"refit under {_fmt_bytes(target)} by the model")
+  p = best._variant(choice, "pinned", "search:refit")
+  p.search = res
+  return p
 
 
 def _propagated(prob: Problem, seeds, res: _search.SearchResult

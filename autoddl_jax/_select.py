@@ -111,7 +111,8 @@ def compiler_options(mesh) -> dict[str, Any] | None:
 def select(candidates: Sequence[tuple[str, str, Any]], *,
            budget: float | None, time_limit: float,
            key: Callable[[Any, str], Any],
-           progress: Callable[[str], None] | None = None
+           progress: Callable[[str], None] | None = None,
+           prior: Sequence[tuple[Any, Candidate]] = ()
            ) -> tuple[int | None, Selection]:
   """Compiles ``candidates`` [(name, lowering, Plan)] in order and returns
   (index of the best, the :class:`Selection`).
@@ -120,12 +121,13 @@ def select(candidates: Sequence[tuple[str, str, Any]], *,
   candidate whose key an earlier one had is the same program and is not
   compiled again. The best is the fastest compiled candidate whose peak fits
   ``budget``; if none fits, the one with the smallest peak. None if nothing
-  compiled.
+  compiled. ``prior`` [(key, Candidate)] are candidates an earlier call
+  compiled: they come first and compete as they are.
   """
   t0 = time.perf_counter()
   everyone = jax.process_count() > 1  # same candidates on every process
-  seen: dict[Any, int] = {}
-  out: list[Candidate] = []
+  seen: dict[Any, int] = {k: i for i, (k, _) in enumerate(prior)}
+  out: list[Candidate] = [c for _, c in prior]
   for name, lowering, plan in candidates:
     c = Candidate(name, lowering, plan.cost.time_s, plan.cost.memory_bytes)
     k = key(plan, lowering)
@@ -139,7 +141,8 @@ def select(candidates: Sequence[tuple[str, str, Any]], *,
           skipped=f"same program as {first.name} ({first.lowering})"))
       continue
     seen[k] = len(out)
-    if out and not everyone and time.perf_counter() - t0 > time_limit:
+    if len(out) > len(prior) and not everyone and \
+        time.perf_counter() - t0 > time_limit:
       out.append(dataclasses.replace(
           c, skipped=f"not compiled: select_seconds={time_limit:g} spent"))
       continue

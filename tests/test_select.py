@@ -305,3 +305,33 @@ def test_fidelity_merges_split_runs_into_the_summary_of_one(tmp_path,
                  str(tmp_path / "b.txt")])
   out = capsys.readouterr().out
   assert want in out, (want, out[-600:])
+
+
+def test_a_plan_over_the_budget_by_memory_analysis_is_searched_again(
+    monkeypatch):
+  # The model's memory is an estimate. Here it is made to under-count by
+  # 3x: the search's plan then fits the budget by the model but not by
+  # memory_analysis, and selection searches again under the budget scaled
+  # by that error -- a plan that fits by the compiled program comes back.
+  from autoddl_jax._problem import Problem
+  case = zoo.build("mixer", abstract=True)
+  mesh = make_mesh((8,), explicit=False)
+  free = ad.plan(case.step, *case.args, mesh=mesh, cluster=TEST_CLUSTER,
+                 select="compiled", alternatives=0, select_seconds=600)
+  dp_peak = next(c.compiled.memory_bytes for c in free.selection.candidates
+                 if c.name == "search")
+  true_peak = Problem.peak_memory
+  monkeypatch.setattr(Problem, "peak_memory",
+                      lambda self, ch: true_peak(self, ch) / 3)
+  budget = 0.6 * dp_peak
+  plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=TEST_CLUSTER,
+                 select="compiled", memory_budget=budget, alternatives=0,
+                 select_seconds=600)
+  sel = plan.selection
+  names = [c.name for c in sel.candidates]
+  assert sel.candidates[0].fits is False  # the model had it under
+  assert "search:refit1" in names, names
+  won = sel.candidates[sel.winner]
+  assert won.fits and won.compiled.memory_bytes <= budget
+  assert won.compiled.time_s == min(c.compiled.time_s
+                                    for c in sel.candidates if c.fits)
