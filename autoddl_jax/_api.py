@@ -1333,8 +1333,9 @@ def _select_compiled(best: Plan, budget: float | None, seconds: float,
         break
       target *= last.predicted_memory / last.compiled.memory_bytes
       refit = _refit(best, target, progress)
-      if refit is None:
-        break
+      if any(c[2].choice == refit.choice for c in cands
+             if c[1] == "pinned"):
+        break  # a plan already compiled
       name = f"search:refit{attempt + 1}"
       cands.append((name, "pinned", refit))
       prior = [(key(p, low), c) for (_, low, p), c in
@@ -1352,14 +1353,15 @@ def _select_compiled(best: Plan, budget: float | None, seconds: float,
   return chosen
 
 
-def _refit(best: Plan, target: float, progress) -> Plan | None:
-  """The search's plan under a memory budget of ``target`` by the model
-  (None if none fits it)."""
+def _refit(best: Plan, target: float, progress) -> Plan:
+  """The search's plan under a memory budget of ``target`` by the model, or
+  the smallest plan it found if none fits that (the model's error varies
+  from plan to plan: the compiled program decides)."""
   try:
     choice, res = _fit_budget(best.problem, best._seeds, best.search, target,
                               None)
-  except _NoFit:
-    return None
+  except _NoFit as e:
+    choice, res = e.result.choice, e.result
   if progress is not None:
     progress(f"refit under {_fmt_bytes(target)} by the model")
   p = best._variant(choice, "pinned", "search:refit")
