@@ -1329,8 +1329,9 @@ def _select_compiled(best: Plan, budget: float | None, seconds: float,
     # puts that much lower is one XLA puts under the budget.
     last, target = sel.candidates[0], float(budget)
     for attempt in range(2):
-      if last.fits is not False or not last.predicted_memory:
-        break
+      if last.fits is not False or not last.predicted_memory or \
+          time.perf_counter() - t0 > seconds:
+        break  # fits; nothing to scale by; select_seconds spent
       target *= last.predicted_memory / last.compiled.memory_bytes
       refit = _refit(best, target, progress)
       if any(c[2].choice == refit.choice for c in cands
