@@ -408,6 +408,10 @@ class Problem:
     # which for a fused t is where its one consumer is; filled consumers
     # first (reverse program order).
     demand: dict[int, int] = {}
+
+    def computed_at(c):  # where a fused op's result is computed, last
+      return max((demand.get(u, c) for u in g.ops[c].outs), default=c)
+
     entries, kinds = [], []  # kinds: 0 argument, 1 result, 2 temporary
     for op in reversed(g.ops):
       for ps, tid in enumerate(op.outs):
@@ -418,8 +422,7 @@ class Problem:
             and g.ops[users[0]].kind != "output"):
           c = users[0]
           if fusible(c):  # recomputed inside its consumer's fusion
-            demand[tid] = max((demand.get(u, c) for u in g.ops[c].outs),
-                              default=c)
+            demand[tid] = computed_at(c)
             span = None
           else:  # made where its consumer reads it
             demand[tid] = c
@@ -429,8 +432,7 @@ class Problem:
           # a loop writes its stacked results (ys) as it runs
           first = g.loop_of_link.get(p, (p, p))[0] if op.prim == "~scan_ys" \
               else p
-          ends = [max((demand.get(u, c) for u in g.ops[c].outs), default=c)
-                  if fusible(c) else pos(c) for c in users]
+          ends = [computed_at(c) if fusible(c) else pos(c) for c in users]
           span = (first, max([p, *ends]))
         if (span is None or op.prim in MEMORY_ALIAS_OPS
             or op.kind == "const" or not live[p]):
@@ -445,8 +447,7 @@ class Problem:
     # (first, last) point each op reads its operands at: a fused op where
     # its result is (re)computed last; a loop's entry for all the loop.
     self._read_at = np.array(
-        [(o.id, pos(o.id)) if not fusible(o.id) else
-         (max((demand.get(u, o.id) for u in o.outs), default=o.id),) * 2
+        [(computed_at(o.id),) * 2 if fusible(o.id) else (o.id, pos(o.id))
          for o in g.ops], dtype=np.int64)
 
   def _reshard_buffers(self, choice) -> list[tuple[float, int, int]]:
