@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoddl_jax._cluster import Cluster, MeshInfo
-from autoddl_jax._cost import StateSpace, state_space, transition_steps
+from autoddl_jax._cost import (StateSpace, one_axis, state_space,
+                               transition_steps)
 from autoddl_jax._graph import ELEMENTWISE_FLOP, OpGraph
 from autoddl_jax._sbp import B_CODE as B, P_CODE, spec_to_codes
 
@@ -33,6 +34,9 @@ MEMORY_ALIAS_OPS = ("~link", "~merge")  # outputs alias their inputs
 FUSED_OPS = frozenset(ELEMENTWISE_FLOP) | {
     "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
     "expand_dims", "copy", "copy_p", "stop_gradient"}
+# Collectives whose result is a new buffer in the consumer's layout
+# (Problem._reshard_buffers); an all-reduce runs in place.
+NEW_BUFFER = ("all-gather", "all-to-all", "reduce-scatter")
 
 
 @dataclasses.dataclass
@@ -469,8 +473,8 @@ class Problem:
       if src == dst:
         continue
       a, b = e.space.states[src], e.space.states[dst]
-      if not any((x >= 0 and y != x) or (x == P_CODE and y >= 0)
-                 for x, y in zip(a, b)):
+      if not any(one_axis(x, y, 1.0, size, 0.0, 1.0)[2] in NEW_BUFFER
+                 for x, y, size in zip(a, b, self.mi.axis_sizes)):
         continue
       first, last = (int(x) for x in self._read_at[e.cons])
       g = groups.setdefault((e.tensor, int(dst)), [
