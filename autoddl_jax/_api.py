@@ -18,8 +18,9 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec
 
-from autoddl_jax import _lower, _propagate, _search, _select
+from autoddl_jax import _lower, _propagate, _remat, _search, _select
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
+from autoddl_jax._cluster import default_budget
 from autoddl_jax._cluster import format_bytes as _fmt_bytes, parse_bytes
 from autoddl_jax._cost import one_axis, transition_states
 from autoddl_jax._graph import OpGraph, build_graph, repeat_groups
@@ -193,7 +194,8 @@ def _auto_context_mesh():
     return jax.sharding.use_abstract_mesh(AbstractMesh((), ()))
 
 
-def _trace(fn: Callable, args: tuple) -> _Traced:
+def _trace(fn: Callable, args: tuple,
+           remat: str | tuple[str, ...] = _remat.NONE) -> _Traced:
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}")
   static = {i: args[i] for i in static_argnums(fn, len(args))}
@@ -220,7 +222,7 @@ def _trace(fn: Callable, args: tuple) -> _Traced:
     shardings.append(s)
   abs_args = jax.tree_util.tree_unflatten(in_tree, abstract)
   try:
-    with _auto_context_mesh():
+    with _auto_context_mesh(), _remat.scan_policy(remat):
       closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abs_args)
   except TypeError as e:
     name = getattr(fn, "__name__", repr(fn))
@@ -369,6 +371,12 @@ class Plan:
       program among candidates, or by the cost model alone.
     search_seconds: wall time of the search; ``selection.seconds`` is the
       time spent compiling candidates, apart from it.
+    remat: the ``jax.checkpoint`` policy the step's scanned layer stacks were
+      traced with (``"none"``, ``"dots_saveable"``, ``"nothing_saveable"``;
+      a tuple: one per scan, in call order) -- part of the program this plan
+      lowers (:mod:`autoddl_jax._remat`).
+    memory_budget: bytes per device the plan was made to fit (None: no
+      constraint).
   """
 
   def __init__(self, *, fn, mesh, mi: MeshInfo, cluster: Cluster,
@@ -377,7 +385,9 @@ class Plan:
                search_seconds: float,
                seeds: Mapping[str, Mapping[int, int]] | None = None,
                lowering: str = "pinned", source: str = "search",
-               selection: _select.Selection | None = None):
+               selection: _select.Selection | None = None,
+               remat: str | tuple[str, ...] = _remat.NONE,
+               budget: float | None = None):
     if lowering not in _select.LOWERINGS:
       raise ValueError(f"lowering must be one of {_select.LOWERINGS}, got "
                        f"{lowering!r}")
@@ -387,6 +397,7 @@ class Plan:
     self.search = search
     self.search_seconds = search_seconds
     self.lowering, self.source, self.selection = lowering, source, selection
+    self.remat, self.memory_budget = remat, budget
     # DP as a user writes it is what XLA's propagation makes of it.
     self.cost = PlanCost.of(
         _propagate.evaluate(problem, self.choice) if source == "dp"
@@ -868,7 +879,8 @@ class Plan:
              cluster=self.cluster, traced=self._traced, graph=self.graph,
              problem=self.problem, choice=choice, search=self.search,
              search_seconds=self.search_seconds, seeds=self._seeds,
-             lowering=lowering, source=source)
+             lowering=lowering, source=source, remat=self.remat,
+             budget=self.memory_budget)
     p._baselines, p._baseline_choices = self._baselines, \
         self._baseline_choices
     return p
@@ -876,10 +888,11 @@ class Plan:
   def _program_key(self, lowering: str):
     """What a candidate compiles to: equal keys, equal programs."""
     if lowering == "pinned":
-      return ("pinned", tuple(self.choice))
+      return ("pinned", self.remat, tuple(self.choice))
     leaves = lambda t: tuple(str(x) for x in jax.tree_util.tree_leaves(  # noqa
         t, is_leaf=lambda y: isinstance(y, PartitionSpec)))
-    return ("boundary", leaves(self.in_specs), leaves(self.out_specs))
+    return ("boundary", self.remat, leaves(self.in_specs),
+            leaves(self.out_specs))
 
   def explain(self, max_rows: int = 40) -> str:
     """The plan as text: per argument its nd-SBP, ``PartitionSpec`` and bytes
@@ -905,10 +918,14 @@ class Plan:
         ("peak memory", _fmt_bytes(c.memory_bytes),
          _fmt_bytes(dp.memory_bytes))):
       rows.append((name, a, b))
-    mem = self.problem.memory_breakdown(self.choice)
-    for cat, v in mem.items():
-      rows.append((f"  {cat} at the peak", _fmt_bytes(v), ""))
+    for cat, v in self.memory_by_category().items():
+      rows.append((f"  {cat}", _fmt_bytes(v), ""))
     lines.append(_table(rows))
+    lines.append(self._budget_line())
+    if self.remat != _remat.NONE:
+      lines.append(f"remat: the scanned layer stacks run under "
+                   f"jax.checkpoint with policy {self.remat!r} (their "
+                   "forward is recomputed in the backward pass)")
     if self.search is not None:
       lines.append(f"search: best start {self.search.seed!r}, "
                    f"{self.search_seconds:.2f} s")
@@ -947,6 +964,52 @@ class Plan:
       lines.append("replicated (no rule): " + ", ".join(
           f"{k} x{v}" for k, v in sorted(self.graph.unsupported.items())))
     return "\n".join(lines)
+
+  def memory_by_category(self) -> dict[str, float]:
+    """Predicted bytes per device at the peak by what they hold:
+    ``parameters`` (and other state updated in place, e.g. BatchNorm
+    statistics), ``optimizer state`` (an optimizer's moments: state tied
+    to a parameter), ``batch and other inputs``, ``results`` (the step's
+    new state, counted apart from its inputs: donation is not modelled) and
+    ``activations, gradients, temporaries`` (the pool of buffers live at
+    once at the peak, as :meth:`Problem.peak_memory` packs them). Their sum
+    is ``cost.memory_bytes``."""
+    mem = self.problem.memory_breakdown(self.choice)
+    tr, mi = self._traced, self.mesh_info
+    out_to_in, groups = _state_ties(tr)
+    state = set(out_to_in.values())
+    moments = set()
+    for g in groups:
+      moments.update(_param_and_moments(tr, g)[1])
+    cats = dict.fromkeys(("parameters", "optimizer state",
+                          "batch and other inputs"), 0.0)
+    for i, (a, sb) in enumerate(zip(tr.in_avals, self.in_sbps)):
+      local = math.prod(a.shape) * _itemsize(a) / math.prod(
+          sz for cd, sz in zip(sb.codes, mi.axis_sizes) if cd >= 0)
+      cat = ("optimizer state" if i in moments else "parameters"
+             if i in state else "batch and other inputs")
+      cats[cat] += local
+    # memory_breakdown counts arguments as allocated (a dead one is not):
+    # scale the split to its total.
+    total = sum(cats.values())
+    if total > 0:
+      for k in cats:
+        cats[k] *= mem["arguments"] / total
+    cats["results"] = mem["results"]
+    cats["activations, gradients, temporaries"] = mem["intermediates"]
+    return cats
+
+  def _budget_line(self) -> str:
+    peak = self.cost.memory_bytes
+    dev = self.cluster.memory_per_device
+    if self.memory_budget is None:
+      return (f"memory: {_fmt_bytes(peak)} of {_fmt_bytes(dev)} per device "
+              "(no budget)")
+    b = self.memory_budget
+    state = "fits" if peak <= b else f"OVER by {_fmt_bytes(peak - b)}"
+    return (f"memory budget {_fmt_bytes(b)} per device "
+            f"({b / dev:.0%} of {_fmt_bytes(dev)}; the rest is left to "
+            f"workspace): {_fmt_bytes(peak)} predicted, {state}")
 
   def __repr__(self) -> str:
     c = self.cost
@@ -1070,7 +1133,8 @@ def _merge_repeated_params(groups, graph: OpGraph, tokens, min_repeats=4):
   return out
 
 
-def _setup(fn, args, mesh, cluster, tie_repeated: bool = True):
+def _setup(fn, args, mesh, cluster, tie_repeated: bool = True,
+           remat: str | tuple[str, ...] = _remat.NONE):
   cluster = H100_NODE if cluster is None else cluster
   if not isinstance(cluster, Cluster):
     raise TypeError(f"cluster must be an autoddl_jax.Cluster, got "
@@ -1078,20 +1142,55 @@ def _setup(fn, args, mesh, cluster, tie_repeated: bool = True):
   mi = mesh_info(mesh, cluster)  # validates the mesh before tracing
   if isinstance(mesh, Mapping):
     mesh = AbstractMesh(mi.axis_sizes, mi.axis_names)
-  tr = _trace(fn, args)
+  tr = _trace(fn, args, remat)
   graph = build_graph(tr.closed, tr.in_names, tr.out_names, tr.splittable)
   out_to_in, tie_groups = _state_ties(tr)
+  prob = _state_problem(tr, graph, mi, cluster, out_to_in, tie_groups,
+                        tie_repeated, zero=False)
+  # Weight-update sharding (ZeRO-1/2): the same program with each
+  # optimizer moment's layout free of its parameter's (searched where a
+  # budget binds: :func:`plan`).
+  prob.zero = _state_problem(tr, graph, mi, cluster, out_to_in, tie_groups,
+                             tie_repeated, zero=True, like=prob)
+  state = set(out_to_in.values())
+  return cluster, mesh, mi, tr, graph, prob, state
+
+
+def _param_and_moments(tr: _Traced, group: Sequence[int]
+                       ) -> tuple[int, list[int]]:
+  """Of a group of tied state leaves (:func:`_state_ties`): the parameter
+  (the shortest path: ``[0]['w']`` beside ``[1][0].mu['w']``) and the
+  optimizer moments."""
+  order = sorted(group, key=lambda i: (len(tr.in_keys[i]), i))
+  return order[0], order[1:]
+
+
+def _state_problem(tr, graph, mi, cluster, out_to_in, tie_groups,
+                   tie_repeated: bool, zero: bool, like: Problem | None = None
+                   ) -> Problem:
+  """The problem with each updated argument tied to its result, and each
+  parameter to its moments (``zero``: the moments of a parameter tied to
+  each other only). ``like``: a problem of the same program to share the
+  candidates with."""
   groups = []
   in_grouped = set()
   for g in tie_groups:
-    ops = [graph.input_ops[i] for i in g]
-    ops += [graph.output_ops[j] for j, i in out_to_in.items() if i in g]
-    groups.append(ops)
+    parts = [list(g)]
+    if zero:
+      param, moments = _param_and_moments(tr, g)
+      parts = [[param], moments]
+    for part in parts:
+      ops = [graph.input_ops[i] for i in part]
+      ops += [graph.output_ops[j] for j, i in out_to_in.items() if i in part]
+      groups.append(ops)
     in_grouped.update(g)
   for j, i in out_to_in.items():
     if i not in in_grouped:
       groups.append([graph.input_ops[i], graph.output_ops[j]])
-  prob = Problem(graph, mi, cluster, groups)
+  if like is None:
+    prob = Problem(graph, mi, cluster, groups)
+  else:
+    prob = getattr(like, "untied", like).regroup(groups)
   if tie_repeated:
     tokens = [(_layerless(tr.in_keys[i]), tuple(a.shape), str(a.dtype))
               for i, a in enumerate(tr.in_avals)]
@@ -1103,8 +1202,7 @@ def _setup(fn, args, mesh, cluster, tie_repeated: bool = True):
       tied = prob.regroup(merged + rep)
       tied.untied = prob
       prob = tied
-  state = set(out_to_in.values())
-  return cluster, mesh, mi, tr, graph, prob, state
+  return prob
 
 
 def _pins_for(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
@@ -1160,13 +1258,22 @@ def _user_codes(tr: _Traced, mi: MeshInfo):
 
 
 def _seeds(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
-           state: set[int]) -> dict[str, dict[int, int]]:
+           state: set[int], zero: bool = False) -> dict[str, dict[int, int]]:
   seeds = {}
   for kind in SEEDS:
     seeds[kind] = _pins_for(prob, graph, tr, mi, lambda i, kind=kind: (
         _seed_codes(kind, tr.in_avals[i].shape, mi.axis_sizes, i in state)
         if tr.splittable[i] else None))
   seeds["megatron"] = _megatron_seed(prob, graph, tr, mi, state)
+  if zero:
+    # ZeRO-1/2: DP, with every optimizer moment split as FSDP splits it.
+    moments = set()
+    for g in _state_ties(tr)[1]:
+      moments.update(_param_and_moments(tr, g)[1])
+    seeds["zero"] = _pins_for(prob, graph, tr, mi, lambda i: (
+        _seed_codes("fsdp" if i in moments else "dp", tr.in_avals[i].shape,
+                    mi.axis_sizes, i in state)
+        if tr.splittable[i] else None))
   return seeds
 
 
@@ -1175,10 +1282,12 @@ SELECT_SECONDS = 120.0
 
 
 def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
-         cluster: Cluster | None = None, memory_budget: float | None = None,
+         cluster: Cluster | None = None,
+         memory_budget: float | str | None = None,
          verbose: bool | None = None, select: str | None = None,
          select_seconds: float = SELECT_SECONDS,
-         alternatives: int = 2) -> Plan:
+         alternatives: int = 2,
+         remat: str | Sequence[str] | None = None) -> Plan:
   """Finds a sharding plan for ``fn(*args)`` on ``mesh``.
 
   Args:
@@ -1190,7 +1299,11 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       ``AbstractMesh`` for planning without devices.
     cluster: the hardware to cost for; defaults to an H100 node preset.
     memory_budget: bytes per device the plan's peak memory must fit in: a
-      number or a string such as ``"16GiB"`` or ``"512MB"``.
+      number or a string such as ``"16GiB"`` or ``"512MB"``. ``None`` (the
+      default): what XLA's allocator may take of
+      ``cluster.memory_per_device`` (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
+      0.75 unless set; the rest is the CUDA context's and the libraries'
+      workspace). ``float("inf")``: no constraint.
     verbose: print the search's progress to stderr (one line per start and
       round, with the best cost so far, and per compiled candidate); by
       default only when stderr is a terminal, so scripts, logs and tests
@@ -1213,13 +1326,27 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       many seconds (the first is always compiled; multi-process runs
       compile all, to keep one plan on every process).
     alternatives: how many other starts' plans to compile (>= 0).
+    remat: rematerialisation of the step's ``jax.lax.scan`` layer stacks
+      (``flax.linen.scan`` and ``nnx.scan`` too). ``None`` (the default):
+      the planner decides -- where the best plan without remat does not fit
+      the budget by the model, the step is planned again with every stack
+      under ``jax.checkpoint`` with ``"dots_saveable"`` and with
+      ``"nothing_saveable"``, and the fastest plan that fits wins (the
+      recomputed FLOPs and the smaller residuals are in the traced program
+      the model costs). A policy name forces it; a sequence gives one per
+      scan in the order the step calls them; ``"none"`` turns it off. A
+      step that already holds a ``jax.checkpoint`` is planned as written.
 
   Returns:
     A :class:`Plan`.
+
+  Raises:
+    MemoryBudgetError: no plan fits the budget (by the model with
+      ``select="model"``, else by XLA's ``memory_analysis``); the message
+      names the budget, the smallest plan and its largest tensors.
   """
   t0 = time.perf_counter()
-  if memory_budget is not None:
-    memory_budget = parse_bytes(memory_budget, "memory_budget")
+  budget = _parse_budget(memory_budget)
   select = _select_mode(select, mesh)
   if not (isinstance(select_seconds, (int, float)) and select_seconds >= 0):
     raise ValueError(f"select_seconds must be a number >= 0, got "
@@ -1228,58 +1355,145 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       or alternatives < 0:
     raise ValueError(f"alternatives must be an int >= 0, got "
                      f"{alternatives!r}")
-  cluster, mesh, mi, tr, graph, prob, state = _setup(fn, args, mesh, cluster)
-  seeds = _seeds(prob, graph, tr, mi, state)
+  if remat is not None:
+    remat = _remat.validate(remat)
+  if verbose is None:
+    verbose = sys.stderr.isatty()
+  cluster = H100_NODE if cluster is None else cluster
+  if budget is None and memory_budget is None and isinstance(cluster,
+                                                             Cluster):
+    budget = default_budget(cluster)[0]
+  policy = _remat.NONE if remat is None else remat
+  # First the best plan without the budget: where it fits, it is the plan.
+  base, over, free_peak, setup = _search_plan(
+      fn, args, mesh, cluster, None, verbose, t0, policy)
+  base.memory_budget = budget
+  best = base
+  if budget is not None and free_peak > budget:
+    # It does not fit: shard more, shard the optimizer state apart from the
+    # parameters (ZeRO-1/2), recompute a layer's activations in the
+    # backward pass -- the model prices each, and the fastest plan that
+    # fits wins.
+    jaxpr = base._traced.closed.jaxpr
+    policies = [policy]
+    if (remat is None and _remat.has_scan(jaxpr)
+        and not _remat.has_checkpoint(jaxpr)):
+      policies += list(_remat.AUTO)
+    options, beat = [], math.inf
+    for pol in policies:
+      p, o = _search_plan(
+          fn, args, mesh, cluster, budget, verbose, time.perf_counter(), pol,
+          zero=True, setup=setup if pol == policy else None, beat=beat)[:2]
+      options.append((p, o))
+      if o is None:
+        beat = min(beat, p.cost.time_s)
+    fits = [i for i, (_, o) in enumerate(options) if o is None]
+    pick = (min(fits, key=lambda i: options[i][0].cost.time_s) if fits else
+            min(range(len(options)),
+                key=lambda i: options[i][0].cost.memory_bytes))
+    best, over = options[pick]
+    best.search_seconds = time.perf_counter() - t0
+    if over is not None:
+      tried = ("the optimizer state sharded apart from the parameters"
+               + (" and the scanned layer stacks rematerialised ("
+                  + ", ".join(_remat.AUTO) + ")" if len(policies) > 1 else
+                  "; the step has no jax.lax.scan layer stack without its "
+                  "own jax.checkpoint to rematerialise"))
+      over = _NoFit(f"{over} Tried: {tried}.", over.result)
+  if over is not None and memory_budget is None:
+    frac = default_budget(cluster)[1]
+    over = _NoFit(f"{over} (The budget is the default: {frac:g} of "
+                  f"cluster.memory_per_device, as XLA's allocator takes; "
+                  "pass memory_budget= to change it, float('inf') to plan "
+                  "without it.)", over.result)
+    if best.remat == policy:
+      base = best  # the textbook plans: on the step as written
+    else:
+      base = options[0][0]
+  if select == "model":
+    if over is not None:
+      raise MemoryBudgetError(str(over))
+    best.selection = _select.Selection("model", (
+        "abstract mesh: no devices to compile for" if not isinstance(
+            mesh, Mesh) else "select='model'"))
+    return best
+  chosen = _select_compiled(best, budget, float(select_seconds),
+                            alternatives, verbose, base=base)
+  sel = chosen.selection
+  if budget is not None and (sel.winner is None or not
+                             sel.candidates[sel.winner].fits):
+    peaks = [c.compiled.memory_bytes for c in sel.candidates
+             if c.compiled is not None and c.compiled.memory_bytes]
+    raise MemoryBudgetError(
+        (str(over) if over is not None else
+         f"no plan fits memory_budget={_fmt_bytes(budget)} per "
+         "device by the compiled programs.") +
+        (f" By memory_analysis, the smallest compiled candidate needs "
+         f"{_fmt_bytes(min(peaks))}." if peaks else ""))
+  return chosen
+
+
+def _parse_budget(memory_budget) -> float | None:
+  """``memory_budget`` in bytes; None for ``float("inf")`` (no constraint)
+  and for None (the cluster's default, resolved once the cluster is)."""
+  if memory_budget is None:
+    return None
+  if isinstance(memory_budget, float) and memory_budget == math.inf:
+    return None
+  return parse_bytes(memory_budget, "memory_budget")
+
+
+def _search_plan(fn, args, mesh, cluster, budget: float | None,
+                 verbose: bool, t0: float, remat, zero: bool = False,
+                 setup=None, beat: float = math.inf
+                 ) -> tuple[Plan, _NoFit | None, float, tuple]:
+  """Trace (with ``remat``), search and fit the budget by the model: (the
+  plan, why nothing fits the budget or None, the peak of the best plan
+  without the budget, what :func:`_setup` made, which ``setup`` reuses).
+  ``zero``: the optimizer moments' layouts are free of their parameters'
+  (weight-update sharding). ``beat``: the time of a plan that fits already;
+  where the best plan here without the budget is no faster, fitting it
+  cannot win and is skipped."""
+  if setup is None:
+    setup = _setup(fn, args, mesh, cluster, remat=remat)
+  cluster, mesh, mi, tr, graph, prob, state = setup
+  if zero:
+    prob = prob.zero
+  seeds = _seeds(prob, graph, tr, mi, state, zero=zero)
   if any(s is not None for s in tr.shardings):
     user = _pins_for(prob, graph, tr, mi, _user_codes(tr, mi))
     if user:
       seeds = {"user": user, **seeds}
   progress = None
-  if verbose is None:
-    verbose = sys.stderr.isatty()
   if verbose:
+    what = "" if remat == _remat.NONE else f", layer stacks remat {remat}"
+    what += ", moments free of their parameters" if zero else ""
     print(f"[autoddl_jax] planning {len(graph.ops)} ops, "
           f"{len(prob.groups)} coordinates, {len(seeds)} seeds on "
-          f"{dict(zip(mi.axis_names, mi.axis_sizes))}", file=sys.stderr,
-          flush=True)
+          f"{dict(zip(mi.axis_names, mi.axis_sizes))}{what}",
+          file=sys.stderr, flush=True)
     progress = lambda seed, sweep, obj: print(  # noqa: E731
         f"[autoddl_jax] start {seed:>10}  sweep {sweep:>3}  best "
         f"{obj * 1e3:.6g} ms", file=sys.stderr, flush=True)
   res = _propagated(prob, seeds, _search.coordinate_descent(
       prob, seeds, progress=progress, polish=getattr(prob, "untied", None)))
   choice = res.choice
+  free_peak = prob.peak_memory(choice)
   over = None  # why no plan fits the budget by the model, if none does
-  if memory_budget is not None:
+  if budget is not None and free_peak > budget and \
+      prob.evaluate(choice).time_s >= beat:
+    over = _NoFit("slower than a plan that fits, without the budget", res)
+  elif budget is not None:
     try:
-      choice, res = _fit_budget(prob, seeds, res, float(memory_budget),
-                                progress)
+      choice, res = _fit_budget(prob, seeds, res, float(budget), progress)
     except _NoFit as e:
-      if select == "model":
-        raise MemoryBudgetError(str(e)) from None
       # The model's memory is an estimate: the compiled programs decide.
       over, choice, res = e, e.result.choice, e.result
   best = Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
               problem=prob, choice=choice, search=res,
-              search_seconds=time.perf_counter() - t0, seeds=seeds)
-  if select == "model":
-    best.selection = _select.Selection("model", (
-        "abstract mesh: no devices to compile for" if not isinstance(
-            mesh, Mesh) else "select='model'"))
-    return best
-  chosen = _select_compiled(best, memory_budget, float(select_seconds),
-                            alternatives, verbose)
-  sel = chosen.selection
-  if memory_budget is not None and (sel.winner is None or not
-                                    sel.candidates[sel.winner].fits):
-    peaks = [c.compiled.memory_bytes for c in sel.candidates
-             if c.compiled is not None and c.compiled.memory_bytes]
-    raise MemoryBudgetError(
-        (str(over) if over is not None else
-         f"no plan fits memory_budget={_fmt_bytes(memory_budget)} per "
-         "device by the compiled programs.") +
-        (f" By memory_analysis, the smallest compiled candidate needs "
-         f"{_fmt_bytes(min(peaks))}." if peaks else ""))
-  return chosen
+              search_seconds=time.perf_counter() - t0, seeds=seeds,
+              remat=remat, budget=budget)
+  return best, over, free_peak, setup
 
 
 def _select_mode(select: str | None, mesh) -> str:
@@ -1302,13 +1516,19 @@ def _select_mode(select: str | None, mesh) -> str:
 
 
 def _select_compiled(best: Plan, budget: float | None, seconds: float,
-                     alternatives: int, verbose: bool) -> Plan:
+                     alternatives: int, verbose: bool,
+                     base: Plan | None = None) -> Plan:
   """:func:`plan`'s ``select="compiled"``: the candidates, compiled, and
-  the winner with its :class:`Selection`."""
+  the winner with its :class:`Selection`. ``base`` is the plan of the step
+  as written where ``best`` is of a remat variant: the textbook plans are
+  written on it, and it is a candidate too (``"search:no-remat"``)."""
+  base = best if base is None else base
   cands = [("search", "pinned", best),
            ("search", "boundary",
             best._variant(best.choice, "boundary", "search"))]
-  cands += [(k, "boundary", best.textbook(k)) for k in TEXTBOOK]
+  if base is not best:
+    cands.append(("search:no-remat", "pinned", base))
+  cands += [(k, "boundary", base.textbook(k)) for k in TEXTBOOK]
   alts = list(best.search.alternatives.items())[:alternatives] \
       if best.search is not None else []
   cands += [(f"search:{start}", "pinned",
@@ -1415,8 +1635,10 @@ def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
   """The cheapest plan found whose peak memory fits ``budget``.
 
   Memory enters the search as a Lagrangian penalty on the bytes of every
-  tensor (a proxy for the peak): raised by 4x until a plan fits, then
-  bisected between the last two weights. Each seed completed with its
+  tensor (a proxy for the peak): a weight that puts the peak on the time's
+  scale, then (where that does not fit) one 4**11 times heavier; where that
+  fits, the weight is bisected between them (four times, geometrically:
+  to within 4**(11/16)). Each seed completed with its
   placements held is a candidate too, so a budgeted plan is never worse than
   a seed that fits.
   """
@@ -1437,20 +1659,28 @@ def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
     return False
 
   polish = getattr(prob, "untied", None)
-  for name, pins in seeds.items():
-    consider(_search.complete(prob, pins, name))
   scale = max(res.objective, 1e-30) / max(peak, 1.0)
   lo = hi = None
-  for k in range(12):
-    lam = scale * 4.0 ** k
-    r = _search.coordinate_descent(prob, seeds, mem_weight=lam,
+  r = _search.coordinate_descent(prob, seeds, mem_weight=scale,
+                                 progress=progress, polish=polish)
+  if consider(r):
+    hi = scale
+  else:
+    # Before bisecting for the lightest penalty that fits, whether the
+    # heaviest fits at all: where none does (a model whose activations
+    # cannot fit without remat), one more search says so. (It starts from
+    # every seed and all but minimises memory: the seeds' completions,
+    # which minimise time, are no smaller.)
+    lo, top = scale, scale * 4.0 ** 11
+    r = _search.coordinate_descent(prob, seeds, mem_weight=top,
                                    progress=progress, polish=polish)
     if consider(r):
-      hi = lam
-      break
-    lo = lam
+      hi = top
+  if hi is not None:
+    for name, pins in seeds.items():
+      consider(_search.complete(prob, pins, name))
   if hi is not None and lo is not None:
-    for _ in range(3):  # a lighter penalty that still fits is cheaper
+    for _ in range(4):  # a lighter penalty that still fits is cheaper
       mid = math.sqrt(lo * hi)
       r = _search.coordinate_descent(prob, seeds, mem_weight=mid,
                                      progress=progress, polish=polish)

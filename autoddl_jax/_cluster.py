@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import re
 from collections.abc import Mapping, Sequence
 
@@ -111,6 +112,27 @@ class Cluster:
 
 
 H100_NODE = Cluster()
+
+
+# What a JAX process may allocate of a GPU's memory: XLA's allocator takes
+# XLA_PYTHON_CLIENT_MEM_FRACTION of it (0.75 unless set); the rest is left to
+# the CUDA context, cuDNN/cuBLAS workspaces and other processes.
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEFAULT_MEM_FRACTION = 0.75
+
+
+def default_budget(cluster: Cluster) -> tuple[float, float]:
+  """(bytes per device a plan must fit in by default, the fraction of
+  ``cluster.memory_per_device`` that is): the share XLA's allocator may use
+  (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 by default)."""
+  text = os.environ.get(MEM_FRACTION_ENV, "")
+  try:
+    frac = float(text) if text.strip() else DEFAULT_MEM_FRACTION
+  except ValueError:
+    raise ValueError(f"{MEM_FRACTION_ENV}={text!r} is not a number") from None
+  if not 0 < frac <= 1:
+    raise ValueError(f"{MEM_FRACTION_ENV}={text!r} must be in (0, 1]")
+  return cluster.memory_per_device * frac, frac
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from autoddl_jax._remat import POLICIES
 from autoddl_jax._select import LOWERINGS
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
       "seed": None if plan.search is None else plan.search.seed,
       "lowering": plan.lowering,
       "source": plan.source,
+      "remat": plan.remat if isinstance(plan.remat, str) else
+               list(plan.remat),
       "arguments": args,
   }
 
@@ -172,6 +175,11 @@ def _schema_problem(data: dict[str, Any]) -> str | None:
     return f"'lowering' is not one of {LOWERINGS}"
   if not isinstance(data.get("source", "search"), str):
     return "'source' is not a string"
+  remat = data.get("remat", "none")
+  names = [remat] if isinstance(remat, str) else remat
+  if not (isinstance(names, list) and names and
+          all(isinstance(n, str) and n in POLICIES for n in names)):
+    return f"'remat' is not one of {', '.join(POLICIES)} (or a list of them)"
   return None
 
 
@@ -179,7 +187,10 @@ def load(path: str | os.PathLike, fn: Callable, args: tuple, mesh,
          cluster) -> Plan:
   from autoddl_jax._api import Plan, _setup  # the same package
   data = read(path)
-  cluster_, mesh_, mi, tr, graph, prob, _ = _setup(fn, args, mesh, cluster)
+  remat = data.get("remat", "none")  # files before it: no remat
+  remat = remat if isinstance(remat, str) else tuple(remat)
+  cluster_, mesh_, mi, tr, graph, prob, _ = _setup(fn, args, mesh, cluster,
+                                                   remat=remat)
   fp = data["fingerprint"]
   want_mesh = dict(zip(mi.axis_names, mi.axis_sizes))
   if fp.get("mesh") != want_mesh:
@@ -200,7 +211,7 @@ def load(path: str | os.PathLike, fn: Callable, args: tuple, mesh,
               graph=graph, problem=prob, choice=choice, search=None,
               search_seconds=0.0,
               lowering=data.get("lowering", "pinned"),  # files before it
-              source=data.get("source", "search"))
+              source=data.get("source", "search"), remat=remat)
   if program_fingerprint(plan) != fp.get("program"):
     old = {a["path"]: (tuple(a["shape"]), a["dtype"])
            for a in data["arguments"]}
@@ -229,7 +240,8 @@ def show(path: str | os.PathLike) -> str:
            f"{cost.get('comm_bytes', float('nan')):.4g} B, peak memory "
            f"{cost.get('memory_bytes', float('nan')):.4g} B",
            f"plan: {data.get('source', 'search')}, "
-           f"{data.get('lowering', 'pinned')} lowering"]
+           f"{data.get('lowering', 'pinned')} lowering, remat "
+           f"{data.get('remat', 'none')}"]
   rows = [("argument", "shape", "dtype", "nd-SBP", "PartitionSpec")]
   rows += [(a["path"], str(tuple(a["shape"])), a["dtype"], a["sbp"],
             a["spec"]) for a in data["arguments"]]

@@ -96,6 +96,15 @@ def _budget_label(frac):
   return "-" if frac is None else f"{frac:g}x DP"
 
 
+def _chosen_label(won, plan) -> str:
+  """The winning candidate, with the remat policy of its program where the
+  planner chose one (``plan`` is the plan returned: the winner's)."""
+  remat = getattr(plan, "remat", "none")
+  if remat != "none":
+    return f"{won.name} ({won.lowering}, remat {remat})"
+  return f"{won.name} ({won.lowering})"
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--models", default=",".join(zoo.BUILDERS))
@@ -181,7 +190,7 @@ def main(argv=None):
       if not books:  # the planner's plan fits where no hand plan does
         cases.append(dict(
             head, best_textbook="(none fits)",
-            chosen=f"{won.name} ({won.lowering})",
+            chosen=_chosen_label(won, plan),
             chosen_ms=won.compiled.time_s * 1e3, search_fits=own.fits,
             pred_emit=pred_emit, search_s=plan.search_seconds,
             select_s=sel.seconds, remat=won.compiled.remat_warnings))
@@ -198,7 +207,7 @@ def main(argv=None):
           search_ms=own.compiled.time_s * 1e3,
           search_vs=own.compiled.time_s / book.compiled.time_s,
           search_fits=own.fits,
-          chosen=f"{won.name} ({won.lowering})",
+          chosen=_chosen_label(won, plan),
           chosen_ms=won.compiled.time_s * 1e3,
           chosen_vs=won.compiled.time_s / book.compiled.time_s,
           pred_emit=pred_emit,

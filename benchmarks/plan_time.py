@@ -6,7 +6,10 @@ planned abstractly (shapes only, nothing allocated).
 
 Prints one table: model, mesh, ops in the graph, coordinates searched, seconds
 to plan (trace + graph + search: the median of ``--repeats`` runs, and the
-slowest), predicted step time and memory. Then, once, the scanned 12-layer
+slowest), predicted step time and memory, the remat policy the planner
+chose (the 96-layer GPT's activations do not fit an H100's default budget
+without it) and the predicted model-FLOPs utilisation (6 N D / peak over
+the predicted step time; a line per model gives the bound). Then, once, the scanned 12-layer
 GPT planned on a concrete (2, 4) mesh of the 8 simulated CPU devices with
 selection by the compiled program (``select="compiled"``): the search's
 seconds and selection's, apart. The median because this machine's
@@ -17,6 +20,7 @@ time), which one timing would report as the planner's.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -58,7 +62,8 @@ def main(argv=None):
   warm = models.mlp(abstract=True)
   ad.plan(warm.step, *warm.args, mesh=AbstractMesh((2, 4), ("data", "model")))
   rows = [("model", "mesh", "ops", "coords", "plan s (median)", "slowest",
-           "step ms (pred)", "memory/device")]
+           "step ms (pred)", "memory/device", "remat", "MFU (pred)")]
+  notes = []
   for name, cfg, shape, axes in CASES:
     mesh = AbstractMesh(shape, axes)
     times = []
@@ -68,15 +73,31 @@ def main(argv=None):
       plan = ad.plan(ex.step, *ex.args, mesh=mesh)
       times.append(time.perf_counter() - t0)
     med = statistics.median(times)
+    # Model-FLOPs utilisation: 6 N D (N parameters, D tokens per step) at
+    # the cluster's peak on every device, over the predicted step time.
+    n_params = sum(x.size for x in jax.tree.leaves(ex.args[0]))
+    tokens = cfg.batch * cfg.seq
+    devices = math.prod(shape)
+    bound = 6 * n_params * tokens / (devices * plan.cluster.peak_flops)
     rows.append((name, "x".join(map(str, shape)), str(len(plan.graph.ops)),
                  str(len(plan.problem.groups)), f"{med:.2f}",
                  f"{max(times):.2f}", f"{plan.cost.time_s * 1e3:.1f}",
-                 f"{plan.cost.memory_bytes / 2**30:.1f} GiB"))
+                 f"{plan.cost.memory_bytes / 2**30:.1f} GiB", str(plan.remat),
+                 f"{bound / plan.cost.time_s:.1%}"))
+    budget = plan.memory_budget
+    notes.append(
+        f"{name}: {n_params / 1e9:.3g}B parameters, {tokens} tokens/step: "
+        f"6ND/peak bound {bound * 1e3:.1f} ms on {devices} devices; "
+        f"predicted {plan.cost.time_s * 1e3:.1f} ms; memory "
+        f"{plan.cost.memory_bytes / 2**30:.1f} GiB of the budget "
+        + ("(none)" if budget is None else f"{budget / 2**30:.1f} GiB"))
     print(f"{name}: " + ", ".join(f"{t:.2f}" for t in times) + " s",
           flush=True)
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   for r in rows:
     print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+  for n in notes:
+    print(n)
   if not args.no_select:
     name, cfg, shape, axes = CASES[0]
     ex = models.gpt(cfg, abstract=True)

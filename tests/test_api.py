@@ -54,7 +54,11 @@ def test_plan_fields_and_explain():
               plan.problem.cands[o][plan.choice[o]][0]) if code >= 0)
       for o, a in zip(plan.graph.input_ops, plan._traced.in_avals))
   assert mem["arguments"] == pytest.approx(arg_bytes)
-  assert "intermediates at the peak" in text
+  cats = plan.memory_by_category()
+  assert sum(cats.values()) == pytest.approx(c.memory_bytes)
+  assert cats["results"] == mem["results"]
+  assert "activations, gradients, temporaries" in text
+  assert "memory budget" in text
   dp = plan.baseline_cost("dp")
   assert plan.cost.time_s <= dp.time_s * (1 + 1e-9)
   assert plan.user_paths()[0] == "0/b0"
