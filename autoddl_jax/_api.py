@@ -976,11 +976,8 @@ class Plan:
     is ``cost.memory_bytes``."""
     mem = self.problem.memory_breakdown(self.choice)
     tr, mi = self._traced, self.mesh_info
-    out_to_in, groups = _state_ties(tr)
-    state = set(out_to_in.values())
-    moments = set()
-    for g in groups:
-      moments.update(_param_and_moments(tr, g)[1])
+    state = set(_state_ties(tr)[0].values())
+    moments = _moments(tr)
     cats = dict.fromkeys(("parameters", "optimizer state",
                           "batch and other inputs"), 0.0)
     for i, (a, sb) in enumerate(zip(tr.in_avals, self.in_sbps)):
@@ -1165,6 +1162,12 @@ def _param_and_moments(tr: _Traced, group: Sequence[int]
   return order[0], order[1:]
 
 
+def _moments(tr: _Traced) -> set[int]:
+  """The input leaves that are optimizer moments (:func:`_param_and_moments`
+  of every group of tied state)."""
+  return {i for g in _state_ties(tr)[1] for i in _param_and_moments(tr, g)[1]}
+
+
 def _state_problem(tr, graph, mi, cluster, out_to_in, tie_groups,
                    tie_repeated: bool, zero: bool, like: Problem | None = None
                    ) -> Problem:
@@ -1267,9 +1270,7 @@ def _seeds(prob: Problem, graph: OpGraph, tr: _Traced, mi: MeshInfo,
   seeds["megatron"] = _megatron_seed(prob, graph, tr, mi, state)
   if zero:
     # ZeRO-1/2: DP, with every optimizer moment split as FSDP splits it.
-    moments = set()
-    for g in _state_ties(tr)[1]:
-      moments.update(_param_and_moments(tr, g)[1])
+    moments = _moments(tr)
     seeds["zero"] = _pins_for(prob, graph, tr, mi, lambda i: (
         _seed_codes("fsdp" if i in moments else "dp", tr.in_avals[i].shape,
                     mi.axis_sizes, i in state)

@@ -65,15 +65,11 @@ def validate(policy: str | Sequence[str]) -> str | tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def scan_policy(policy: str | Sequence[str]) -> Iterator[list[int]]:
-  """Trace with every ``jax.lax.scan`` call's body under ``policy``.
-
-  Yields a one-element list that holds, on exit, how many scans were called.
-  """
+def scan_policy(policy: str | Sequence[str]) -> Iterator[None]:
+  """Trace with every ``jax.lax.scan`` call's body under ``policy``."""
   policy = validate(policy)
-  counted = [0]
   if policy == NONE:
-    yield counted
+    yield
     return
   if getattr(_state, "policy", None) is not None:
     raise RuntimeError("scan_policy does not nest")
@@ -85,30 +81,28 @@ def scan_policy(policy: str | Sequence[str]) -> Iterator[list[int]]:
   _state.policy, _state.calls = policy, 0
   lax.scan = _scan
   try:
-    yield counted
+    yield
   finally:
-    counted[0] = _state.calls
     lax.scan = _original_scan
     _state.policy = None
     jax.clear_caches()
 
 
-def has_checkpoint(jaxpr) -> bool:
-  """Whether the (closed) jaxpr, at any depth, holds a ``jax.checkpoint``."""
+def _holds(jaxpr, names: tuple[str, ...]) -> bool:
+  """Whether the jaxpr, at any depth, holds an equation of one of ``names``."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("checkpoint", "remat2"):
+    if eqn.primitive.name in names:
       return True
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      if has_checkpoint(sub):
-        return True
+    if any(_holds(sub, names)
+           for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
+      return True
   return False
+
+
+def has_checkpoint(jaxpr) -> bool:
+  """Whether the jaxpr, at any depth, holds a ``jax.checkpoint``."""
+  return _holds(jaxpr, ("checkpoint", "remat2"))
 
 
 def has_scan(jaxpr) -> bool:
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      return True
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      if has_scan(sub):
-        return True
-  return False
+  return _holds(jaxpr, ("scan",))
