@@ -371,8 +371,9 @@ class Plan:
       program among candidates, or by the cost model alone.
     search_seconds: wall time of the search; ``selection.seconds`` is the
       time spent compiling candidates, apart from it.
-    remat: the ``jax.checkpoint`` policy the step's scanned layer stacks were
-      traced with (``"none"``, ``"dots_saveable"``, ``"nothing_saveable"``;
+    remat: the ``jax.checkpoint`` policy the step's scanned layer stacks
+      (and, for one policy name, its repeated unrolled blocks) were traced
+      with (``"none"``, ``"dots_saveable"``, ``"nothing_saveable"``;
       a tuple: one per scan, in call order) -- part of the program this plan
       lowers (:mod:`autoddl_jax._remat`).
     memory_budget: bytes per device the plan was made to fit (None: no
@@ -723,6 +724,8 @@ class Plan:
     fn = _lower.planned_function(tr.closed, tr.in_tree, tr.out_tree, pins,
                                  tr.in_names)
     in_sh = self._shard_tree(self.in_specs, mesh)
+    if _remat.cpu_keeps_recompute(tr.closed.jaxpr, mesh):
+      jit_kwargs.setdefault("compiler_options", _remat.KEEP_BARRIERS)
     jitted = jax.jit(fn, in_shardings=in_sh,
                      out_shardings=self._shard_tree(self.out_specs, mesh),
                      **jit_kwargs)
@@ -923,7 +926,8 @@ class Plan:
     lines.append(_table(rows))
     lines.append(self._budget_line())
     if self.remat != _remat.NONE:
-      lines.append(f"remat: the scanned layer stacks run under "
+      lines.append(f"remat: the scanned layer stacks and repeated blocks "
+                   f"run under "
                    f"jax.checkpoint with policy {self.remat!r} (their "
                    "forward is recomputed in the backward pass)")
     if self.search is not None:
@@ -1328,15 +1332,18 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       compile all, to keep one plan on every process).
     alternatives: how many other starts' plans to compile (>= 0).
     remat: rematerialisation of the step's ``jax.lax.scan`` layer stacks
-      (``flax.linen.scan`` and ``nnx.scan`` too). ``None`` (the default):
-      the planner decides -- where the best plan without remat does not fit
-      the budget by the model, the step is planned again with every stack
-      under ``jax.checkpoint`` with ``"dots_saveable"`` and with
-      ``"nothing_saveable"``, and the fastest plan that fits wins (the
-      recomputed FLOPs and the smaller residuals are in the traced program
-      the model costs). A policy name forces it; a sequence gives one per
-      scan in the order the step calls them; ``"none"`` turns it off. A
-      step that already holds a ``jax.checkpoint`` is planned as written.
+      (``flax.linen.scan`` and ``nnx.scan`` too) and of the blocks a Python
+      loop repeats back to back in the function ``jax.grad`` /
+      ``jax.value_and_grad`` (``nnx`` ones too) differentiate. ``None``
+      (the default): the planner decides -- where the best plan without
+      remat does not fit the budget by the model, the step is planned again
+      with every stack and block under ``jax.checkpoint`` with
+      ``"dots_saveable"`` and with ``"nothing_saveable"``, and the fastest
+      plan that fits wins (the recomputed FLOPs and the smaller residuals
+      are in the traced program the model costs). A policy name forces it
+      on both; a sequence gives one per scan in the order the step calls
+      them (repeated blocks then stay as written); ``"none"`` turns it off.
+      A step that already holds a ``jax.checkpoint`` is planned as written.
 
   Returns:
     A :class:`Plan`.
@@ -1377,14 +1384,19 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     # fits wins.
     jaxpr = base._traced.closed.jaxpr
     policies = [policy]
-    if (remat is None and _remat.has_scan(jaxpr)
-        and not _remat.has_checkpoint(jaxpr)):
+    if remat is None and not _remat.has_checkpoint(jaxpr):
       policies += list(_remat.AUTO)
-    options, beat = [], math.inf
+    options, beat, remats = [], math.inf, False
     for pol in policies:
+      pol_setup = setup
+      if pol != policy:
+        pol_setup = _setup(fn, args, mesh, cluster, remat=pol)
+        if not _remat.has_checkpoint(pol_setup[3].closed.jaxpr):
+          break  # no layer stack nor repeated block: nothing to recompute
+        remats = True
       p, o = _search_plan(
           fn, args, mesh, cluster, budget, verbose, time.perf_counter(), pol,
-          zero=True, setup=setup if pol == policy else None, beat=beat)[:2]
+          zero=True, setup=pol_setup, beat=beat)[:2]
       options.append((p, o))
       if o is None:
         beat = min(beat, p.cost.time_s)
@@ -1396,10 +1408,11 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     best.search_seconds = time.perf_counter() - t0
     if over is not None:
       tried = ("the optimizer state sharded apart from the parameters"
-               + (" and the scanned layer stacks rematerialised ("
-                  + ", ".join(_remat.AUTO) + ")" if len(policies) > 1 else
-                  "; the step has no jax.lax.scan layer stack without its "
-                  "own jax.checkpoint to rematerialise"))
+               + (" and the layer stacks and repeated blocks "
+                  "rematerialised (" + ", ".join(_remat.AUTO) + ")"
+                  if remats else
+                  "; the step has no jax.lax.scan layer stack or repeated "
+                  "block without its own jax.checkpoint to rematerialise"))
       over = _NoFit(f"{over} Tried: {tried}.", over.result)
   if over is not None and memory_budget is None:
     frac = default_budget(cluster)[1]

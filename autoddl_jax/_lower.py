@@ -451,6 +451,9 @@ def _inline(eqn, invals, ctx, pins):
   args = invals[len(invals) - len(jaxpr.invars):]
   if eqn.primitive.name in CUSTOM_AD:
     return _custom_ad(eqn, jaxpr, consts, invals, ctx, pins)
+  if eqn.primitive.name in ("remat2", "checkpoint") and eqn.params.get(
+      "differentiated"):
+    return _differentiated_remat(eqn, jaxpr, consts, args, ctx, pins)
   if eqn.primitive.name in ("remat2", "checkpoint"):
     fn = jax.checkpoint(
         lambda *a: interpret(jaxpr, consts, a, ctx, pins),
@@ -458,6 +461,23 @@ def _inline(eqn, invals, ctx, pins):
         policy=eqn.params.get("policy"))
     return fn(*args)
   return interpret(jaxpr, consts, args, ctx, pins)
+
+
+def _differentiated_remat(eqn, jaxpr, consts, args, ctx, pins):
+  """A backward pass's recomputation, bound again as it was traced: marked
+  ``differentiated``, so that XLA gets an optimization barrier on its inputs
+  and recomputes the forward. Wrapped in a fresh ``jax.checkpoint`` instead,
+  unrolled blocks' recomputations were merged with the forward by XLA's CSE
+  (no FLOPs spent, no memory saved) -- scans hid it, the loop keeps the two
+  apart."""
+  body = jax.make_jaxpr(lambda *a: interpret(jaxpr, consts, a, ctx, pins))(
+      *args)
+  j = body.jaxpr
+  open_body = jcore.Jaxpr([], [*j.constvars, *j.invars], j.outvars, j.eqns,
+                          effects=j.effects,
+                          debug_info=j.debug_info.with_unknown_names())
+  return _bind(eqn.replace(params={**eqn.params, "jaxpr": open_body}),
+               [*body.consts, *args], pins.mesh)
 
 
 # Calls with user-defined derivatives: the body is interpreted with its pins,

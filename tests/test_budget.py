@@ -51,6 +51,31 @@ def _example(batch: int, tx=None, user_checkpoint: bool = False):
   return step, (params, tx.init(params), x)
 
 
+def _unrolled_loss(params, x):
+  h = x
+  for w in params["layers"]:
+    h = jnp.tanh(h @ w["w"]) * jax.nn.sigmoid(h @ w["v"]) + h
+  return jnp.mean(h ** 2)
+
+
+def _example_unrolled(batch: int, tx=None):
+  """:func:`_example`'s layers written as a Python loop (no scan): the
+  blocks follow one another in the jaxpr."""
+  tx = tx or optax.sgd(0.1, momentum=0.9)
+
+  def step(params, opt, x):
+    loss, g = jax.value_and_grad(_unrolled_loss)(params, x)
+    u, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, u), opt, loss
+
+  k = jax.random.split(jax.random.key(0), 2 * L + 1)
+  params = {"layers": [{"w": jax.random.normal(k[2 * i], (D, D)) / D ** 0.5,
+                        "v": jax.random.normal(k[2 * i + 1], (D, D)) /
+                        D ** 0.5} for i in range(L)]}
+  x = jax.random.normal(k[-1], (batch, D))
+  return step, (params, tx.init(params), x)
+
+
 def _peak(compiled) -> float:
   m = compiled.memory_analysis()
   return float(m.argument_size_in_bytes + m.output_size_in_bytes +
@@ -115,6 +140,79 @@ def test_a_budget_without_room_for_activations_gets_remat():
   assert _peak(compiled) <= budget
   _assert_step_equal(compiled(*args), jax.jit(step)(*args))
   assert "remat" in p.explain()
+
+
+def test_repeated_blocks_are_found_in_the_loss():
+  _, args = _example_unrolled(64)
+  # The forward of the loop: one run of L blocks, each holding both dots.
+  fwd = jax.make_jaxpr(_unrolled_loss)(args[0], args[2]).jaxpr
+  (start, length, count), = _remat.repeated_blocks(fwd)
+  assert count == L
+  block = [e.primitive.name for e in fwd.eqns[start:start + length]]
+  assert block.count("dot_general") == 2
+  # Nothing repeats in the scanned version's forward (one scan).
+  assert _remat.repeated_blocks(
+      jax.make_jaxpr(lambda x: jnp.tanh(x @ x.T).sum())(args[2]).jaxpr) == []
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "nothing_saveable"])
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
+def test_remat_of_unrolled_blocks_computes_the_unsharded_step(policy, opt):
+  tx = (optax.sgd(0.1, momentum=0.9) if opt == "sgd_momentum" else
+        optax.adamw(1e-3))
+  step, args = _example_unrolled(2048, tx)
+  mesh = make_mesh((8,), explicit=False)
+  want = jax.jit(step)(*args)
+  base = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER, remat="none")
+  p = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER, remat=policy)
+  assert p.remat == policy and _remat.has_checkpoint(p._traced.closed.jaxpr)
+  assert not _remat.has_checkpoint(base._traced.closed.jaxpr)
+  _assert_step_equal(p.jit()(*args), want)
+  v, v0 = p.verify(), base.verify()
+  # XLA recomputes what the model says it does (on CPU only with the
+  # barriers kept: _remat.KEEP_BARRIERS, which Plan.jit sets) ...
+  assert abs(v.predicted_flops_loops_once / v.xla_flops - 1) < 0.05
+  if policy == "nothing_saveable":
+    # ... the whole forward again, and it keeps only the blocks' inputs.
+    assert v.xla_flops > 1.2 * v0.xla_flops
+    assert v.xla_memory < 0.8 * v0.xla_memory
+    assert v.predicted_memory < 0.8 * v0.predicted_memory
+    assert abs(v.predicted_memory / v.xla_memory - 1) < 0.3
+
+
+def test_xla_cpu_merges_an_unrolled_recomputation_without_the_option():
+  """Why Plan.jit compiles unrolled remat on CPU with KEEP_BARRIERS: left
+  to XLA:CPU's default pipeline, the recomputation is merged with the
+  forward (no FLOPs, no memory saved)."""
+  step, args = _example_unrolled(2048)
+  mesh = make_mesh((8,), explicit=False)
+  p = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
+              remat="nothing_saveable")
+  base = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER, remat="none")
+  flops = lambda c: c.cost_analysis()["flops"]  # noqa: E731
+  kept = p.jit().lower(*args).compile()
+  merged = p.jit(compiler_options={}).lower(*args).compile()
+  plain = base.jit().lower(*args).compile()
+  assert flops(merged) < 1.05 * flops(plain) < flops(kept)
+  assert _peak(kept) < 0.8 * _peak(merged)
+
+
+def test_a_budget_without_room_for_activations_gets_remat_of_unrolled_blocks():
+  step, args = _example_unrolled(2048)
+  mesh = make_mesh((8,), explicit=False)
+  base = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER, remat="none",
+                 memory_budget=float("inf"))
+  budget = 0.75 * base.cost.memory_bytes
+  p = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
+              memory_budget=budget, select="compiled", alternatives=0)
+  assert p.remat in _remat.AUTO and p.source.startswith("search")
+  won = p.selection.candidates[p.selection.winner]
+  assert won.fits and won.compiled.memory_bytes <= budget
+  assert not any(c.fits for c in p.selection.candidates
+                 if c.compiled is not None and c.name in TEXTBOOK)
+  compiled = p.jit().lower(*args).compile()
+  assert _peak(compiled) <= budget
+  _assert_step_equal(compiled(*args), jax.jit(step)(*args))
 
 
 def test_a_users_own_checkpoint_is_planned_as_written():
