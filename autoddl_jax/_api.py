@@ -77,6 +77,10 @@ class _Traced:
   # Static arguments of a ``jax.jit(f, static_argnums=...)`` step: position
   # -> value. They are traced as Python values (tree structure, no leaves).
   static: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+  # Arguments of a ``jax.jit(f, donate_argnums=...)`` step: their buffers
+  # become the results' (``Problem.donated``), and ``Plan.jit`` donates them.
+  donate_argnums: tuple[int, ...] = ()
+  donated_leaves: frozenset[int] = frozenset()
 
 
 @jax.tree_util.register_pytree_node_class
@@ -116,6 +120,14 @@ def static_argnums(fn: Callable, nargs: int) -> tuple[int, ...]:
   (``static_argnums``, and ``static_argnames`` given positionally)."""
   info = getattr(fn, "_jit_info", None)
   nums = getattr(info, "static_argnums", ()) or ()
+  return tuple(sorted({i % nargs for i in nums if -nargs <= i < nargs}))
+
+
+def donate_argnums(fn: Callable, nargs: int) -> tuple[int, ...]:
+  """Positions of the arguments a ``jax.jit(f, donate_argnums=...)``
+  function donates (none for other functions)."""
+  info = getattr(fn, "_jit_info", None)
+  nums = getattr(info, "donate_argnums", ()) or ()
   return tuple(sorted({i % nargs for i in nums if -nargs <= i < nargs}))
 
 
@@ -199,6 +211,7 @@ def _trace(fn: Callable, args: tuple,
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}")
   static = {i: args[i] for i in static_argnums(fn, len(args))}
+  donated = tuple(i for i in donate_argnums(fn, len(args)) if i not in static)
   for i, v in static.items():
     try:
       hash(v)
@@ -245,7 +258,9 @@ def _trace(fn: Callable, args: tuple,
       [v.aval for v in closed.jaxpr.outvars],
       [_key_tokens(p) for p, _ in leaves],
       [_key_tokens(p) for p, _ in out_leaves], splittable, shardings, nodes,
-      static)
+      static, donated, frozenset(
+          i for i, (p, _) in enumerate(leaves)
+          if p and getattr(p[0], "idx", None) in donated))
 
 
 def _same_type(a, b) -> bool:
@@ -724,6 +739,8 @@ class Plan:
     fn = _lower.planned_function(tr.closed, tr.in_tree, tr.out_tree, pins,
                                  tr.in_names)
     in_sh = self._shard_tree(self.in_specs, mesh)
+    if tr.donate_argnums:
+      jit_kwargs.setdefault("donate_argnums", tr.donate_argnums)
     if _remat.cpu_keeps_recompute(tr.closed.jaxpr, mesh):
       jit_kwargs.setdefault("compiler_options", _remat.KEEP_BARRIERS)
     jitted = jax.jit(fn, in_shardings=in_sh,
@@ -1172,6 +1189,10 @@ def _moments(tr: _Traced) -> set[int]:
   return {i for g in _state_ties(tr)[1] for i in _param_and_moments(tr, g)[1]}
 
 
+def _donated_ops(tr: _Traced, graph: OpGraph) -> frozenset[int]:
+  return frozenset(graph.input_ops[i] for i in tr.donated_leaves)
+
+
 def _state_problem(tr, graph, mi, cluster, out_to_in, tie_groups,
                    tie_repeated: bool, zero: bool, like: Problem | None = None
                    ) -> Problem:
@@ -1195,7 +1216,7 @@ def _state_problem(tr, graph, mi, cluster, out_to_in, tie_groups,
     if i not in in_grouped:
       groups.append([graph.input_ops[i], graph.output_ops[j]])
   if like is None:
-    prob = Problem(graph, mi, cluster, groups)
+    prob = Problem(graph, mi, cluster, groups, _donated_ops(tr, graph))
   else:
     prob = getattr(like, "untied", like).regroup(groups)
   if tie_repeated:
@@ -1844,7 +1865,7 @@ def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
   groups = [g for g in prob.groups if len(g) > 1]
   keep = [g for g in groups if len({pins[o] for o in g if o in pins}) <= 1]
   if len(keep) != len(groups):
-    prob = Problem(graph, mi, cluster, keep)
+    prob = Problem(graph, mi, cluster, keep, _donated_ops(tr, graph))
   res = _search.complete(prob, pins, "hand")
   return Plan(fn=fn, mesh=mesh, mi=mi, cluster=cluster, traced=tr, graph=graph,
               problem=prob, choice=res.choice, search=res,

@@ -103,9 +103,16 @@ def combined_tensors(graph: OpGraph) -> frozenset[int]:
 class Problem:
   """Candidates, node costs and edges for one (graph, mesh, cluster)."""
 
+  # Input ops whose buffers the step donates (``jax.jit(donate_argnums=)``):
+  # XLA writes a result of the same type and layout into one of them, so
+  # that result needs no allocation of its own (:meth:`_allocations`).
+  donated: frozenset[int] = frozenset()
+
   def __init__(self, graph: OpGraph, mi: MeshInfo, cluster: Cluster,
-               groups: Sequence[Sequence[int]] = ()):
+               groups: Sequence[Sequence[int]] = (),
+               donated: frozenset[int] = frozenset()):
     self.graph, self.mi, self.cluster = graph, mi, cluster
+    self.donated = donated
     rate = cluster.peak_flops * cluster.flops_efficiency
     self.cands: list[list[tuple[tuple[int, ...], ...]]] = []
     self.slot_idx: list[list[np.ndarray | None]] = []
@@ -496,9 +503,11 @@ class Problem:
   def _allocations(self, choice) -> tuple[float, float, np.ndarray]:
     """(arguments, results, temporaries' curve) as XLA's buffer assignment
     makes allocations of the buffers (``memory_analysis`` = arguments +
-    results + temporaries, less donated aliases, which this count does not
-    know): every argument and every result gets its own allocation for the
-    whole step; a temporary lives in a result's allocation when it fits
+    results + temporaries, less donated aliases): every argument and every
+    result gets its own allocation for the whole step, except a result
+    written into a donated argument of its type and size (:attr:`donated`,
+    matched in order, as jax pairs them); a temporary lives in a result's
+    allocation when it fits
     there and dies before the result is made (the largest first, each into
     the smallest such allocation, one at a time), else in the pool of
     temporaries, whose size is the peak of what is live in it at once.
@@ -511,7 +520,18 @@ class Problem:
     kind = self._live_kind
     live = self._live
     args = float(b[kind == 0].sum())
-    results = [(b[i], live[i][3]) for i in np.flatnonzero(kind == 1)]
+    free: dict[tuple, int] = {}  # donated buffers by (type, bytes per device)
+    for i in np.flatnonzero(kind == 0):
+      if live[i][1] in self.donated:
+        key = self._buffer_type(live[i][0], b[i])
+        free[key] = free.get(key, 0) + 1
+    results = []
+    for i in np.flatnonzero(kind == 1):
+      key = self._buffer_type(live[i][0], b[i])
+      if free.get(key):
+        free[key] -= 1  # aliases a donated argument
+      else:
+        results.append((b[i], live[i][3]))
     results.sort()
     sizes = np.array([r[0] for r in results])
     busy: list[list[tuple[int, int]]] = [[] for _ in results]
@@ -532,6 +552,10 @@ class Problem:
       else:
         busy[home].append((s, e))
     return args, float(sizes.sum()), np.cumsum(delta)
+
+  def _buffer_type(self, tid: int, nbytes: float) -> tuple:
+    a = self.graph.tensors[tid].aval
+    return tuple(a.shape), str(a.dtype), float(nbytes)
 
   def peak_memory(self, choice: Sequence[int]) -> float:
     if not self.graph.ops:

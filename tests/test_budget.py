@@ -344,3 +344,33 @@ def test_under_a_budget_the_search_frees_moments_from_parameters():
   w, mu = names.index("0/layers/w"), names.index("1/0/mu/layers/w")
   assert not any({ops[w], ops[mu]} <= g for g in groups)
   assert any({ops[w], ops[mu]} <= set(g) for g in tied.problem.groups)
+
+
+def test_a_donating_step_writes_its_new_state_over_the_old():
+  """``jax.jit(step, donate_argnums=...)``: the new parameters and moments
+  are written over the donated ones, so the model counts them once -- as
+  XLA's memory_analysis does -- and Plan.jit donates them too."""
+  step, args = _example(256, optax.adamw(1e-3))
+  mesh = make_mesh((8,), explicit=False)
+  kept = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
+                 memory_budget=float("inf"))
+  donating = jax.jit(step, donate_argnums=(0, 1))
+  p = ad.hand_plan(donating, *args, mesh=mesh, cluster=TEST_CLUSTER,
+                   in_shardings=kept.in_specs, out_shardings=kept.out_specs)
+  assert p.choice == kept.choice
+  state = sum(x.nbytes for x in jax.tree.leaves(args[:2])) / 8
+  saved = kept.cost.memory_bytes - p.cost.memory_bytes
+  # The state is split over the 8 devices in this plan; what it returns of
+  # it no longer needs its own allocation.
+  assert saved == pytest.approx(p.memory_by_category()["parameters"] +
+                                p.memory_by_category()["optimizer state"],
+                                rel=0.01)
+  assert 0 < saved <= state * 1.01
+  v, v0 = p.verify(), kept.verify()
+  assert v.xla_memory < v0.xla_memory
+  assert abs(v.predicted_memory / v.xla_memory - 1) < 0.3
+  want = jax.jit(step)(*args)
+  given = jax.device_put(args, p.in_shardings)  # placed: nothing to copy
+  got = p.jit()(*given)
+  _assert_step_equal(got, want)
+  assert all(x.is_deleted() for x in jax.tree.leaves(given[:2]))
