@@ -116,7 +116,13 @@ class AutoShard:
       if key not in self.plans:
         abstract = [a if i in static else jax.tree.map(
             lambda x: _abstract(x, self.mesh), a) for i, a in enumerate(args)]
-        p = make_plan(fn, *abstract, mesh=self.mesh, cluster=self._cluster,
+        planned = fn
+        if self._donate and getattr(fn, "_jit_info", None) is None:
+          # Planned as the jax.jit step it becomes: the donated state's
+          # results take no memory of their own (Problem.donated).
+          planned = jax.jit(fn, donate_argnums=self._donate)
+        p = make_plan(planned, *abstract, mesh=self.mesh,
+                      cluster=self._cluster,
                       memory_budget=self._budget, verbose=self._verbose,
                       select=self._select)
         if jax.process_count() > 1:  # one plan everywhere, before compiling

@@ -120,6 +120,9 @@ def test_linen_train_state_step(opt):
     ref_state, ref_loss = ref(ref_state, _batch(seed=i))
     _close(loss, ref_loss)
   assert len(planned.plans) == 1
+  # Planned as the donating jax.jit it runs as: the new state takes no
+  # memory of its own in the model.
+  assert planned.plan.problem.donated
   # The optimizer moments follow their parameters' layouts.
   p_specs = planned.plan.param_specs().params
   mu_specs = planned.plan.param_specs().opt_state[0].mu
