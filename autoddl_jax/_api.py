@@ -1398,40 +1398,21 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       fn, args, mesh, cluster, None, verbose, t0, policy)
   base.memory_budget = budget
   best = base
+  variants = _Variants(fn, args, mesh, cluster, verbose, policy, setup,
+                       may_remat=remat is None and not _remat.has_checkpoint(
+                           base._traced.closed.jaxpr))
   if budget is not None and free_peak > budget:
     # It does not fit: shard more, shard the optimizer state apart from the
     # parameters (ZeRO-1/2), recompute a layer's activations in the
     # backward pass -- the model prices each, and the fastest plan that
     # fits wins.
-    jaxpr = base._traced.closed.jaxpr
-    policies = [policy]
-    if remat is None and not _remat.has_checkpoint(jaxpr):
-      policies += list(_remat.AUTO)
-    options, beat, remats = [], math.inf, False
-    for pol in policies:
-      pol_setup = setup
-      if pol != policy:
-        pol_setup = _setup(fn, args, mesh, cluster, remat=pol)
-        if not _remat.has_checkpoint(pol_setup[3].closed.jaxpr):
-          break  # no layer stack nor repeated block: nothing to recompute
-        remats = True
-      p, o = _search_plan(
-          fn, args, mesh, cluster, budget, verbose, time.perf_counter(), pol,
-          zero=True, setup=pol_setup, beat=beat)[:2]
-      options.append((p, o))
-      if o is None:
-        beat = min(beat, p.cost.time_s)
-    fits = [i for i, (_, o) in enumerate(options) if o is None]
-    pick = (min(fits, key=lambda i: options[i][0].cost.time_s) if fits else
-            min(range(len(options)),
-                key=lambda i: options[i][0].cost.memory_bytes))
-    best, over = options[pick]
+    best, over, options = variants.fit(budget)
     best.search_seconds = time.perf_counter() - t0
     if over is not None:
       tried = ("the optimizer state sharded apart from the parameters"
                + (" and the layer stacks and repeated blocks "
                   "rematerialised (" + ", ".join(_remat.AUTO) + ")"
-                  if remats else
+                  if variants.remats else
                   "; the step has no jax.lax.scan layer stack or repeated "
                   "block without its own jax.checkpoint to rematerialise"))
       over = _NoFit(f"{over} Tried: {tried}.", over.result)
@@ -1453,7 +1434,8 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
             mesh, Mesh) else "select='model'"))
     return best
   chosen = _select_compiled(best, budget, float(select_seconds),
-                            alternatives, verbose, base=base)
+                            alternatives, verbose, base=base,
+                            refit=lambda target: variants.fit(target)[0])
   sel = chosen.selection
   if budget is not None and (sel.winner is None or not
                              sel.candidates[sel.winner].fits):
@@ -1466,6 +1448,48 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
         (f" By memory_analysis, the smallest compiled candidate needs "
          f"{_fmt_bytes(min(peaks))}." if peaks else ""))
   return chosen
+
+
+class _Variants:
+  """The programs a budget may call for -- the step as written, and traced
+  again with its layer stacks and repeated blocks rematerialised (each
+  policy of ``_remat.AUTO`` where ``may_remat``) -- each traced once, and
+  :meth:`fit`, which searches them all under a budget with weight-update
+  sharding free: the fastest plan that fits by the model, else the
+  smallest. :func:`plan` fits the budget with it, and selection fits it
+  again, under the budget scaled by the model's error on a compiled
+  plan."""
+
+  def __init__(self, fn, args, mesh, cluster, verbose: bool, policy,
+               setup, may_remat: bool):
+    self.fn, self.args, self.mesh, self.cluster = fn, args, mesh, cluster
+    self.verbose, self.policy = verbose, policy
+    self.setups = {policy: setup}
+    self.policies = [policy] + (list(_remat.AUTO) if may_remat else [])
+    self.remats = False  # a remat variant was searched
+
+  def fit(self, budget: float) -> tuple[Plan, _NoFit | None, list]:
+    options, beat = [], math.inf
+    for pol in self.policies:
+      setup = self.setups.get(pol)
+      if setup is None:
+        setup = self.setups[pol] = _setup(self.fn, self.args, self.mesh,
+                                          self.cluster, remat=pol)
+      if pol != self.policy:
+        if not _remat.has_checkpoint(setup[3].closed.jaxpr):
+          break  # no layer stack nor repeated block: nothing to recompute
+        self.remats = True
+      p, o = _search_plan(
+          self.fn, self.args, self.mesh, self.cluster, budget, self.verbose,
+          time.perf_counter(), pol, zero=True, setup=setup, beat=beat)[:2]
+      options.append((p, o))
+      if o is None:
+        beat = min(beat, p.cost.time_s)
+    fits = [i for i, (_, o) in enumerate(options) if o is None]
+    pick = (min(fits, key=lambda i: options[i][0].cost.time_s) if fits else
+            min(range(len(options)),
+                key=lambda i: options[i][0].cost.memory_bytes))
+    return (*options[pick], options)
 
 
 def _parse_budget(memory_budget) -> float | None:
@@ -1552,11 +1576,14 @@ def _select_mode(select: str | None, mesh) -> str:
 
 def _select_compiled(best: Plan, budget: float | None, seconds: float,
                      alternatives: int, verbose: bool,
-                     base: Plan | None = None) -> Plan:
+                     base: Plan | None = None,
+                     refit: Callable[[float], Plan] | None = None) -> Plan:
   """:func:`plan`'s ``select="compiled"``: the candidates, compiled, and
   the winner with its :class:`Selection`. ``base`` is the plan of the step
   as written where ``best`` is of a remat variant: the textbook plans are
-  written on it, and it is a candidate too (``"search:no-remat"``)."""
+  written on it, and it is a candidate too (``"search:no-remat"``).
+  ``refit(target)``: the plan for a budget of ``target`` by the model
+  (:meth:`_Variants.fit`; default: ``best``'s program searched again)."""
   base = best if base is None else base
   cands = [("search", "pinned", best),
            ("search", "boundary",
@@ -1588,12 +1615,16 @@ def _select_compiled(best: Plan, budget: float | None, seconds: float,
           time.perf_counter() - t0 > seconds:
         break  # fits; nothing to scale by; select_seconds spent
       target *= last.predicted_memory / last.compiled.memory_bytes
-      refit = _refit(best, target, progress)
-      if any(c[2].choice == refit.choice for c in cands
-             if c[1] == "pinned"):
+      if progress is not None:
+        progress(f"refit under {_fmt_bytes(target)} by the model")
+      again = (refit(target) if refit is not None else
+               _refit(best, target))
+      again = again._variant(again.choice, "pinned", "search:refit")
+      again.memory_budget = budget
+      if any(key(p, low) == key(again, "pinned") for _, low, p in cands):
         break  # a plan already compiled
       name = f"search:refit{attempt + 1}"
-      cands.append((name, "pinned", refit))
+      cands.append((name, "pinned", again))
       prior = [(key(p, low), c) for (_, low, p), c in
                zip(cands, sel.candidates)]
       win, sel = _select.select(
@@ -1609,7 +1640,7 @@ def _select_compiled(best: Plan, budget: float | None, seconds: float,
   return chosen
 
 
-def _refit(best: Plan, target: float, progress) -> Plan:
+def _refit(best: Plan, target: float) -> Plan:
   """The search's plan under a memory budget of ``target`` by the model, or
   the smallest plan it found if none fits that (the model's error varies
   from plan to plan: the compiled program decides)."""
@@ -1618,8 +1649,6 @@ def _refit(best: Plan, target: float, progress) -> Plan:
                               None)
   except _NoFit as e:
     choice, res = e.result.choice, e.result
-  if progress is not None:
-    progress(f"refit under {_fmt_bytes(target)} by the model")
   p = best._variant(choice, "pinned", "search:refit")
   p.search = res
   return p
