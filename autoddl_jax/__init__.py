@@ -8,7 +8,6 @@
 
 from autoddl_jax import checkpoint as checkpoint
 from autoddl_jax import distributed as distributed
-from autoddl_jax._api import MemoryBudgetError as MemoryBudgetError
 from autoddl_jax._api import Plan as Plan
 from autoddl_jax._api import PlanCost as PlanCost
 from autoddl_jax._api import cost_of as cost_of
@@ -20,7 +19,11 @@ from autoddl_jax._cluster import H100_NODE as H100_NODE
 from autoddl_jax._cluster import Cluster as Cluster
 from autoddl_jax._hlo import Collective as Collective
 from autoddl_jax._hlo import collectives as collectives
-from autoddl_jax._io import PlanFileError as PlanFileError
+from autoddl_jax._errors import AutoDDLError as AutoDDLError
+from autoddl_jax._errors import DistributedError as DistributedError
+from autoddl_jax._errors import MemoryBudgetError as MemoryBudgetError
+from autoddl_jax._errors import PlanFileError as PlanFileError
+from autoddl_jax._errors import RuleError as RuleError
 from autoddl_jax._graph import (
     UnsupportedPrimitiveWarning as UnsupportedPrimitiveWarning,
 )
@@ -36,9 +39,9 @@ from autoddl_jax._verify import CompiledScore as CompiledScore
 __version__ = "0.1.0"
 
 __all__ = [
-    "B", "Candidate", "Cluster", "Collective", "CompiledScore", "H100_NODE",
-    "MemoryBudgetError", "NdSbp", "P", "Plan", "PlanCost", "PlanFileError",
-    "S", "Sbp", "Selection",
+    "AutoDDLError", "B", "Candidate", "Cluster", "Collective",
+    "CompiledScore", "DistributedError", "H100_NODE", "MemoryBudgetError", "NdSbp", "P", "Plan", "PlanCost", "PlanFileError",
+    "RuleError", "S", "Sbp", "Selection",
     "UnsupportedPrimitiveWarning", "auto_shard", "checkpoint", "collectives",
     "cost_of", "distributed", "hand_plan", "load_plan", "plan",
 ]

@@ -18,6 +18,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec
 
+from autoddl_jax._errors import MemoryBudgetError
 from autoddl_jax import _lower, _propagate, _remat, _search, _select
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
 from autoddl_jax._cluster import default_budget
@@ -34,10 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryBudgetError", "Plan", "PlanCost", "cost_of", "load_plan",
            "plan"]
-
-
-class MemoryBudgetError(ValueError):
-  """No plan found fits the per-device memory budget."""
 
 
 @dataclasses.dataclass(frozen=True)

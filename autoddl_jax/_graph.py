@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from autoddl_jax import _rules
+from autoddl_jax._errors import RuleError
 from autoddl_jax._rules import Aval, Sig
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
@@ -304,8 +305,14 @@ class _Builder:
                                                          "sort"):
       try:
         sigs = _rules.signatures(name, in_avals, out_avals, eqn.params)
-      except (KeyError, AttributeError, TypeError, IndexError, ValueError):
-        sigs = None
+      except Exception as e:
+        # A rule that fails is a bug to fix, not a primitive to run
+        # replicated: hidden, it would only show as a slow plan.
+        ops = ", ".join(f"{a.dtype}{list(a.shape)}" for a in in_avals)
+        raise RuleError(
+            f"internal error: the signature rule of {name!r} failed on "
+            f"({ops}): {type(e).__name__}: {e}. Please report it with the "
+            "step that raised it.") from e
     if sigs is None:
       self.unsupported[name] = self.unsupported.get(name, 0) + 1
       sigs = [(tuple(B for _ in in_avals), tuple(B for _ in out_avals))]

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from autoddl_jax._errors import PlanFileError
 from autoddl_jax._remat import POLICIES
 from autoddl_jax._select import LOWERINGS
 
@@ -18,11 +19,6 @@ if TYPE_CHECKING:
 
 FORMAT = "autoddl_jax.plan"
 VERSION = 1
-
-
-class PlanFileError(ValueError):
-  """A plan file that cannot be used: unreadable, or made for another
-  program, mesh, cluster or format version."""
 
 
 def program_fingerprint(plan: Plan) -> str:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from autoddl_jax._errors import DistributedError
+
 if TYPE_CHECKING:
   from autoddl_jax._api import Plan
 
@@ -40,10 +42,6 @@ ENV_DEVICES = "AUTODDL_DEVICES_PER_PROC"
 # A folder where a process that raises notes when it did, so the launcher
 # names the process that failed first and not a peer that died of it.
 ENV_FAILURES = "AUTODDL_FAILURE_DIR"
-
-
-class DistributedError(RuntimeError):
-  """The processes of a job could not start together, or disagree."""
 
 
 def initialize(coordinator_address: str | None = None,

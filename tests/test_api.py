@@ -23,10 +23,35 @@ X = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
 
 def test_public_face_is_small():
   assert set(ad.__all__) == {
-      "B", "Candidate", "Cluster", "Collective", "CompiledScore", "H100_NODE",
-      "MemoryBudgetError", "NdSbp", "P", "Plan", "PlanCost", "PlanFileError",
-      "S", "Sbp", "Selection", "UnsupportedPrimitiveWarning", "auto_shard", "checkpoint", "collectives",
-      "cost_of", "distributed", "hand_plan", "load_plan", "plan"}
+      "AutoDDLError", "B", "Candidate", "Cluster", "Collective",
+      "CompiledScore", "DistributedError", "H100_NODE", "MemoryBudgetError",
+      "NdSbp", "P", "Plan", "PlanCost", "PlanFileError", "RuleError", "S",
+      "Sbp", "Selection", "UnsupportedPrimitiveWarning", "auto_shard",
+      "checkpoint", "collectives", "cost_of", "distributed", "hand_plan",
+      "load_plan", "plan"}
+
+
+def test_errors_share_one_base_and_keep_their_builtins():
+  for err, builtin in ((ad.MemoryBudgetError, ValueError),
+                       (ad.PlanFileError, ValueError),
+                       (ad.DistributedError, RuntimeError),
+                       (ad.RuleError, RuntimeError)):
+    assert issubclass(err, ad.AutoDDLError) and issubclass(err, builtin)
+  assert ad.distributed.DistributedError is ad.DistributedError
+
+
+def test_a_failing_rule_is_an_internal_error_naming_the_primitive(
+    monkeypatch):
+  from autoddl_jax import _rules
+
+  def broken(ins, outs, params):
+    raise IndexError("tuple index out of range")
+
+  monkeypatch.setitem(_rules.RULES, "tanh", broken)
+  with pytest.raises(ad.RuleError,
+                     match=r"rule of 'tanh' failed on \(float32\[8, 32\]\)"
+                           r": IndexError"):
+    ad.plan(lambda x: jnp.tanh(x @ W), X, mesh=AbstractMesh((8,), ("data",)))
 
 
 def test_plan_fields_and_explain():
