@@ -1410,8 +1410,10 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
                + (" and the layer stacks and repeated blocks "
                   "rematerialised (" + ", ".join(_remat.AUTO) + ")"
                   if variants.remats else
-                  "; the step has no jax.lax.scan layer stack or repeated "
-                  "block without its own jax.checkpoint to rematerialise"))
+                  f", with remat={policy!r} as asked" if remat is not None
+                  else "; the step has no jax.lax.scan layer stack or "
+                  "repeated block without its own jax.checkpoint to "
+                  "rematerialise"))
       over = _NoFit(f"{over} Tried: {tried}.", over.result)
   if over is not None and memory_budget is None:
     frac = default_budget(cluster)[1]
