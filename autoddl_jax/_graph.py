@@ -42,6 +42,15 @@ ELEMENTWISE_FLOP = set(_rules.UNARY) | set(_rules.BINARY) | {
     "logistic", "erf"}
 
 
+def _barrier(eqn) -> bool:
+  """Whether XLA puts an optimization barrier on ``eqn``'s operands: a
+  differentiated ``jax.checkpoint`` that prevents CSE (the recomputation a
+  backward pass makes)."""
+  return (eqn.primitive.name in ("remat2", "checkpoint")
+          and bool(eqn.params.get("differentiated"))
+          and bool(eqn.params.get("prevent_cse", True)))
+
+
 def _demanded_layout(eqn) -> tuple[Any, tuple[str, ...]] | None:
   """The (spec, mesh axis names) a ``with_sharding_constraint`` demands, or
   None (another op, or a constraint with unconstrained dims)."""
@@ -272,6 +281,15 @@ class _Builder:
         cts = [self.const(c, weight) for c in sub_consts]
         ins = [t if t is not None else self.const(v.val, weight)
                for t, v in zip(ins, eqn.invars)]
+        if _barrier(eqn):
+          # A backward pass's recomputation starts from its operands behind
+          # an optimization barrier: new values, in the layout they come
+          # in, that share no reshard with the forward's (XLA gathers a
+          # weight again for the recomputation).
+          ins = [self.link("~barrier", t, self.tensors[t].aval, weight,
+                           weight) for t in ins]
+          self.entry_links[sub_ctx] = [self.tensors[t].producer[0]
+                                       for t in ins]
         outs = self.walk(sub, cts, ins[len(ins) - len(sub.invars):], sub_ctx,
                          weight)
       elif name == "scan":

@@ -28,7 +28,7 @@ from autoddl_jax._cost import (StateSpace, one_axis, state_space,
 from autoddl_jax._graph import ELEMENTWISE_FLOP, OpGraph
 from autoddl_jax._sbp import B_CODE as B, P_CODE, spec_to_codes
 
-MEMORY_ALIAS_OPS = ("~link", "~merge")  # outputs alias their inputs
+MEMORY_ALIAS_OPS = ("~link", "~merge", "~barrier")  # outputs alias inputs
 # Ops XLA fuses into their consumer (loop fusion): a result of one read by a
 # single op is computed inside that op's fusion, not kept (Problem._liveness).
 FUSED_OPS = frozenset(ELEMENTWISE_FLOP) | {
