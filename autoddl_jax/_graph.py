@@ -318,7 +318,6 @@ class _Builder:
     sigs = None
     if not any(isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))
                for p in eqn.params.values()) or name in ("scatter-add",
-                                                         "scatter_add",
                                                          "reduce_window",
                                                          "sort"):
       try:

@@ -84,6 +84,11 @@ def save(plan: Plan, path: str | os.PathLike) -> None:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
+    # mkstemp makes the file private (0600); a plan file is an ordinary
+    # file, with the permissions the user's umask gives a new one.
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):

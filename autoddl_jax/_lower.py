@@ -97,7 +97,7 @@ LOCAL_REDUCE = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
 # its own, and bindable on local blocks (:func:`_bind_local`).
 REGION_OPS = LOCAL_REDUCE | frozenset({
     "transpose", "reshape", "broadcast_in_dim", "convert_element_type", "neg",
-    "mul", "div", "add", "sub", "add_any", "squeeze", "copy", "copy_p",
+    "mul", "div", "add", "sub", "add_any", "squeeze", "copy",
     "select_n", "split", "concatenate", "cumsum"})
 
 # A local step on a block: ("psum" | "psum_scatter" | "slice" | "own",
@@ -105,7 +105,6 @@ REGION_OPS = LOCAL_REDUCE | frozenset({
 # (the first device keeps it, the others hold zeros: B -> P).
 Reduction = tuple[str, tuple[str, ...], "int | None"]
 
-_SCATTER_ADD = ("scatter-add", "scatter_add")
 
 
 def runs_local(prim: str, cand: Sequence[Codes]) -> bool:
@@ -116,7 +115,7 @@ def runs_local(prim: str, cand: Sequence[Codes]) -> bool:
   global indices; XLA masks them, a local scatter would not)."""
   if prim in REGION_OPS:
     return True
-  if prim in _SCATTER_ADD:
+  if prim == "scatter-add":
     operand, _, updates = cand[:3]
     return all(o < 0 or u >= 0 for o, u in zip(operand, updates))
   return False

@@ -33,7 +33,7 @@ MEMORY_ALIAS_OPS = ("~link", "~merge", "~barrier")  # outputs alias inputs
 # single op is computed inside that op's fusion, not kept (Problem._liveness).
 FUSED_OPS = frozenset(ELEMENTWISE_FLOP) | {
     "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-    "expand_dims", "copy", "copy_p", "stop_gradient"}
+    "copy", "stop_gradient"}
 # Collectives whose result is a new buffer in the consumer's layout
 # (Problem._reshard_buffers); an all-reduce runs in place.
 NEW_BUFFER = ("all-gather", "all-to-all", "reduce-scatter")

@@ -219,14 +219,6 @@ def _squeeze(ins, outs, params):
                      ["".join(c for d, c in enumerate(letters) if d not in drop)])
 
 
-def _expand_dims(ins, outs, params):
-  letters = _dims(outs[0].rank)
-  new = {d % outs[0].rank for d in params["dimensions"]}
-  return factor_sigs(ins, outs,
-                     ["".join(c for d, c in enumerate(letters) if d not in new)],
-                     [letters])
-
-
 def _full_dims(operand: Aval, window: Sequence[int]) -> str:
   return "".join(c if w == s else "." for c, w, s in
                  zip(_dims(operand.rank), window, operand.shape))
@@ -496,8 +488,8 @@ UNARY = """abs acos acosh asin asinh atan atanh cbrt ceil clz conj cos cosh
   digamma erf erf_inv erfc exp exp2 expm1 floor imag is_finite lgamma log log1p
   logistic not population_count real round rsqrt sign sin sinh sqrt square tan
   tanh integer_pow reduce_precision""".split()
-LINEAR_UNARY = """neg copy copy_p stop_gradient sharding_constraint reshard
-  device_put optimization_barrier_identity""".split()
+LINEAR_UNARY = """neg copy stop_gradient sharding_constraint reshard
+  device_put""".split()
 BINARY = """atan2 rem pow max min nextafter and or xor eq ne lt le gt ge
   eq_to le_to lt_to shift_left shift_right_logical shift_right_arithmetic
   complex""".split()
@@ -520,7 +512,6 @@ RULES["broadcast_in_dim"] = _linear("PB")(_broadcast_in_dim)
 RULES["reshape"] = _linear("P")(_reshape)
 RULES["transpose"] = _linear("P")(_transpose)
 RULES["squeeze"] = _linear("P")(_squeeze)
-RULES["expand_dims"] = _linear("P")(_expand_dims)
 RULES["reduce_sum"] = _linear("P")(_reduce(summed=True))
 for _name in ("reduce_max", "reduce_min", "reduce_prod", "reduce_and",
               "reduce_or", "reduce_xor", "argmax", "argmin"):
@@ -558,7 +549,6 @@ RULES["select_and_scatter_add"] = _linear("PB")(_select_and_scatter_add)
 RULES["select_and_gather_add"] = _linear("PB")(_select_and_gather_add)
 RULES["gather"] = _linear("PB")(_gather)
 RULES["scatter-add"] = _scatter_add
-RULES["scatter_add"] = _scatter_add
 for _name in ("scatter", "scatter-mul", "scatter-max", "scatter-min"):
   RULES[_name] = _scatter
 

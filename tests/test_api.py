@@ -88,7 +88,11 @@ def test_plan_fields_and_explain():
   assert plan.cost.time_s <= dp.time_s * (1 + 1e-9)
   assert plan.user_paths()[0] == "0/b0"
   lowered = plan.jit().lower(*ex.args)  # jit() supports .lower
-  assert lowered.compile() is not None
+  compiled = lowered.compile()
+  # The compiled program takes the arguments where the plan puts them.
+  got = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+  want = jax.tree_util.tree_leaves(plan.in_shardings)
+  assert [s.spec for s in got] == [s.spec for s in want]
 
 
 def test_arrays_placed_on_the_plans_shardings_run_as_is():
@@ -102,7 +106,10 @@ def test_arrays_placed_on_the_plans_shardings_run_as_is():
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         placed)
-    assert plan.jit().lower(*abstract).compile() is not None
+    compiled = plan.jit().lower(*abstract).compile()
+    out_abstract = compiled.out_info
+    assert jax.tree.map(lambda x: x.shape, out_abstract) == jax.tree.map(
+        lambda x: x.shape, jax.eval_shape(ex.step, *ex.args))
 
 
 def test_auto_axes_mesh_works_too():
@@ -158,7 +165,7 @@ def test_abstract_mesh_plans_but_cannot_run():
 
 def test_mesh_larger_than_the_devices_is_refused():
   devices = np.array(jax.devices() * 2).reshape(4, 4)
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match="[Dd]evice"):
     mesh = jax.sharding.Mesh(devices, ("a", "b"))
     ad.plan(_mlp_step, W, X, mesh=mesh)
 

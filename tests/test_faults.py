@@ -211,6 +211,21 @@ def test_a_plan_saved_outside_set_mesh_loads_inside(tmp_path):
   assert rel_err(got[2], jax.jit(ex.step)(*ex.args)[2]) <= 1e-5
 
 
+def test_a_plan_file_gets_the_umasks_permissions(tmp_path):
+  import os
+  import stat
+  ex = models.mlp()
+  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((8,)),
+                 cluster=TEST_CLUSTER)
+  old = os.umask(0o022)
+  try:
+    plan.save(tmp_path / "plan.json")
+  finally:
+    os.umask(old)
+  mode = stat.S_IMODE(os.stat(tmp_path / "plan.json").st_mode)
+  assert mode == 0o644  # not mkstemp's private 0o600
+
+
 # -------------------------------------------------- 9: memory_budget forms
 def test_memory_budget_takes_the_cli_strings_and_refuses_bools():
   ex = models.mlp()

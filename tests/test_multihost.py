@@ -37,6 +37,21 @@ def _launch(*args, timeout=240, grace=3):
   return r, time.monotonic() - t0
 
 
+
+def _example_config(src: str) -> models.GptConfig:
+  """The example's ``CONFIG = models.GptConfig(...)``, read from its source
+  (importing the example would configure jax's devices): keyword literals
+  only, so a change there that this cannot read fails here, loudly."""
+  import ast
+  for node in ast.parse(src).body:
+    if isinstance(node, ast.Assign) and [getattr(t, "id", None)
+                                         for t in node.targets] == ["CONFIG"]:
+      call = node.value
+      assert isinstance(call, ast.Call) and not call.args
+      return models.GptConfig(**{k.arg: ast.literal_eval(k.value)
+                                 for k in call.keywords})
+  raise AssertionError("examples/multihost.py has no CONFIG")
+
 def test_two_processes_train_like_one(tmp_path):
   # Each process loads only its part of the batch (from_local); parameters
   # and optimizer state are placed from whole values (global_array).
@@ -53,9 +68,7 @@ def test_two_processes_train_like_one(tmp_path):
   import importlib.util
   spec = importlib.util.spec_from_file_location(
       "mh", os.path.join(ROOT, "examples", "multihost.py"))
-  src = open(spec.origin).read()
-  cfg = eval(re.search(r"CONFIG = (models\.GptConfig\(.*?\))", src,  # noqa
-                       re.S).group(1), {"models": models})
+  cfg = _example_config(open(spec.origin).read())
   ex = models.gpt(cfg, optimizer=optax.adamw(1e-3))
   step = ad.auto_shard(ex.step, mesh=make_mesh((2, 4), explicit=False))
   params, opt_state, losses = ex.params, ex.opt_state, []
