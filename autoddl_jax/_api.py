@@ -23,7 +23,7 @@ from autoddl_jax import _lower, _propagate, _remat, _search, _select
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
 from autoddl_jax._cluster import default_budget
 from autoddl_jax._cluster import format_bytes as _fmt_bytes, parse_bytes
-from autoddl_jax._cost import one_axis, transition_states
+from autoddl_jax._cost import transition_states, transition_steps
 from autoddl_jax._graph import OpGraph, build_graph, repeat_groups
 from autoddl_jax._problem import Evaluation, Problem
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P, NdSbp, codes_to_spec
@@ -828,7 +828,8 @@ class Plan:
       out.append(dict(tensor=g.tensors[e.tensor].name,
                       shape=g.tensors[e.tensor].aval.shape,
                       src=nd_repr(src), dst=nd_repr(dst),
-                      collective=_collective_names(src, dst),
+                      collective=_collective_names(
+                          src, dst, e.space, self.mesh_info),
                       weight=e.weight, time_s=t,
                       bytes=float(prob.edge_pair(e, kp, kc, "bytes"))))
     return out
@@ -1102,16 +1103,12 @@ def _itemsize(a) -> int:
     return 4
 
 
-def _collective_names(src, dst) -> str:
-  names = []
-  for s, d in zip(src, dst):
-    if s != d:
-      _, _, n = one_axis(s, d, 1.0, 2, 0.0, 1.0)
-      if n is None and s >= 0 and d == -2:
-        n = "all-gather"
-      if n:
-        names.append(n)
-  return "+".join(names) or "local"
+def _collective_names(src, dst, space, mi) -> str:
+  """The collectives of the path the model costs, one name per step (a
+  joint all-reduce over two axes is one all-reduce, as XLA emits and
+  ``verify`` counts it)."""
+  steps = transition_steps(src, dst, space.nbytes, tuple(space.shape), mi)
+  return "+".join(kind for kind, _, _ in steps) or "local"
 
 
 def _table(rows: Sequence[Sequence[str]]) -> str:

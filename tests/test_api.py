@@ -215,3 +215,19 @@ def test_cost_of_scores_hand_plans_and_checks_them():
                in_shardings=(NamedSharding(other, P()), P()))
   with pytest.raises(TypeError, match="NamedSharding, PartitionSpec or None"):
     ad.cost_of(_mlp_step, W, X, mesh=mesh, in_shardings=("data", P()))
+
+
+def test_reshard_rows_name_the_collectives_of_the_costed_path():
+  """A joint (P, P) -> (B, B) is one all-reduce over both axes -- as XLA
+  emits it and verify() counts it -- not "all-reduce+all-reduce"."""
+  from autoddl_jax._api import _collective_names
+  from autoddl_jax._cluster import mesh_info
+  from autoddl_jax._cost import state_space
+  from autoddl_jax._sbp import B_CODE, P_CODE
+  mi = mesh_info(AbstractMesh((2, 4), ("a", "b")), TEST_CLUSTER)
+  space = state_space((64, 64), 4, mi)
+  assert _collective_names((P_CODE, P_CODE), (B_CODE, B_CODE), space,
+                           mi) == "all-reduce"
+  assert _collective_names((P_CODE, 0), (B_CODE, B_CODE), space,
+                           mi) == "all-reduce+all-gather"
+  assert _collective_names((0, B_CODE), (0, B_CODE), space, mi) == "local"
