@@ -42,6 +42,11 @@ ELEMENTWISE_FLOP = set(_rules.UNARY) | set(_rules.BINARY) | {
     "logistic", "erf"}
 
 
+# The weight of a reshard into an optimization barrier (see Builder.walk):
+# never the cheaper choice, so operands enter it as they were made.
+BARRIER_RESHARD_PENALTY = 1e6
+
+
 def _barrier(eqn) -> bool:
   """Whether XLA puts an optimization barrier on ``eqn``'s operands: a
   differentiated ``jax.checkpoint`` that prevents CSE (the recomputation a
@@ -285,9 +290,13 @@ class _Builder:
           # A backward pass's recomputation starts from its operands behind
           # an optimization barrier: new values, in the layout they come
           # in, that share no reshard with the forward's (XLA gathers a
-          # weight again for the recomputation).
-          ins = [self.link("~barrier", t, self.tensors[t].aval, weight,
-                           weight) for t in ins]
+          # weight again for the recomputation). A reshard before the
+          # barrier would keep its result alive from the forward pass to
+          # the recomputation -- what remat is there to avoid -- so the
+          # edge into the barrier is priced out of the search.
+          ins = [self.link("~barrier", t, self.tensors[t].aval,
+                           weight * BARRIER_RESHARD_PENALTY, weight)
+                 for t in ins]
           self.entry_links[sub_ctx] = [self.tensors[t].producer[0]
                                        for t in ins]
         outs = self.walk(sub, cts, ins[len(ins) - len(sub.invars):], sub_ctx,
