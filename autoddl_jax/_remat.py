@@ -152,10 +152,6 @@ def cpu_keeps_recompute(jaxpr, mesh) -> bool:
   return _unrolled_recompute(jaxpr)
 
 
-def has_scan(jaxpr) -> bool:
-  return _holds(jaxpr, ("scan",))
-
-
 # ------------------------------------------------- repeated unrolled blocks
 # A Python loop over layers leaves no scan to wrap: its blocks follow one
 # another in the loss function's jaxpr as the same equations over and over.
