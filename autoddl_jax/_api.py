@@ -1728,17 +1728,18 @@ def _fit_budget(prob: Problem, seeds, res, budget: float, progress):
   else:
     # Before bisecting for the lightest penalty that fits, whether the
     # heaviest fits at all: where none does (a model whose activations
-    # cannot fit without remat), one more search says so. (It starts from
-    # every seed and all but minimises memory: the seeds' completions,
-    # which minimise time, are no smaller.)
+    # cannot fit without remat), one more search says so.
     lo, top = scale, scale * 4.0 ** 11
     r = _search.coordinate_descent(prob, seeds, mem_weight=top,
                                    progress=progress, polish=polish)
     if consider(r):
       hi = top
-  if hi is not None:
-    for name, pins in seeds.items():
-      consider(_search.complete(prob, pins, name))
+  # The seeds completed with their placements held: the penalty weighs
+  # every tensor's bytes, not the peak, so a seed can fit where the
+  # penalised searches do not (ZeRO's, whose replicated parameters the
+  # penalty counts against it, on a step that donates them).
+  for name, pins in seeds.items():
+    consider(_search.complete(prob, pins, name))
   if hi is not None and lo is not None:
     for _ in range(4):  # a lighter penalty that still fits is cheaper
       mid = math.sqrt(lo * hi)

@@ -22,7 +22,7 @@ from helpers import make_mesh, rel_err
 L, D = 4, 32
 
 
-def _example(batch: int, tx=None, user_checkpoint: bool = False):
+def _example(batch: int, tx=None, user_checkpoint: bool = False, d: int = D):
   """A residual stack of gated layers in ``lax.scan``: its activations
   (batch x D per layer and residual) outweigh its parameters, so no sharding
   brings DP's peak down much -- only recomputing them does."""
@@ -45,9 +45,9 @@ def _example(batch: int, tx=None, user_checkpoint: bool = False):
 
   k = jax.random.split(jax.random.key(0), 3)
   params = {"layers": {
-      "w": jax.random.normal(k[0], (L, D, D)) / D ** 0.5,
-      "v": jax.random.normal(k[1], (L, D, D)) / D ** 0.5}}
-  x = jax.random.normal(k[2], (batch, D))
+      "w": jax.random.normal(k[0], (L, d, d)) / d ** 0.5,
+      "v": jax.random.normal(k[1], (L, d, d)) / d ** 0.5}}
+  x = jax.random.normal(k[2], (batch, d))
   return step, (params, tx.init(params), x)
 
 
@@ -359,3 +359,38 @@ def test_a_donating_step_writes_its_new_state_over_the_old():
   got = p.jit()(*given)
   _assert_step_equal(got, want)
   assert all(x.is_deleted() for x in jax.tree.leaves(given[:2]))
+
+
+def test_a_budget_that_rules_out_fsdps_gathered_weights_gets_zero():
+  """ZeRO where it is the cheapest plan that fits, by the model: a donating
+  step whose compute pattern is DP's (a large batch, no latency), under a
+  budget below FSDP's peak (each weight's shard beside its gathered copy,
+  kept for the backward) and above ZeRO's (replicated parameters, moments
+  split, the new state written over the old). DP's moments do not fit."""
+  step, args = _example(2048, optax.adamw(1e-3), d=64)
+  step = jax.jit(step, donate_argnums=(0, 1))
+  mesh = make_mesh((8,), explicit=False)
+  cluster = dataclasses.replace(TEST_CLUSTER, intra_node_latency=0.0,
+                                inter_node_latency=0.0)
+  zero_b = _zero_boundary(args)
+  fsdp_b = (jax.tree.map(lambda _: P(None, "data"), args[0]), zero_b[1],
+            P("data"))
+  hand = lambda b: ad.hand_plan(  # noqa: E731
+      step, *args, mesh=mesh, cluster=cluster, in_shardings=b,
+      out_shardings=(*b[:2], None))
+  zero, fsdp = hand(zero_b), hand(fsdp_b)
+  dp = hand((None, None, P("data")))
+  assert zero.cost.time_s == pytest.approx(fsdp.cost.time_s)
+  assert zero.cost.memory_bytes < fsdp.cost.memory_bytes < dp.cost.memory_bytes
+  budget = (zero.cost.memory_bytes + fsdp.cost.memory_bytes) / 2
+  p = ad.plan(step, *args, mesh=mesh, cluster=cluster, memory_budget=budget,
+              select="model", remat="none")
+  assert p.cost.memory_bytes <= budget
+  assert p.cost.time_s <= zero.cost.time_s * (1 + 1e-9)
+  # Weight-update sharding: parameters replicated, their moments split.
+  assert p.param_specs(0) == jax.tree.map(lambda _: P(), args[0])
+  specs = jax.tree.leaves(p.param_specs(1), is_leaf=lambda x: isinstance(
+      x, P))
+  assert P(None, "data") in specs
+  # XLA agrees that it fits and DP does not.
+  assert p.verify().xla_memory <= budget < dp.verify().xla_memory
