@@ -1337,7 +1337,8 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       XLA logs "Involuntary full rematerialization" only if all do)
       (:mod:`autoddl_jax._select`; ``plan.explain()`` shows them all).
       With a budget, a search's plan over it by ``memory_analysis`` is
-      searched again under the budget scaled by the model's error on it
+      fitted again -- sharding, weight-update sharding and remat, as the
+      first fit -- under the budget scaled by the model's error on it
       (twice at most: ``"search:refit1"``, ``"search:refit2"``).
       ``"model"``: the cost model's plan, nothing compiled (the default for
       an abstract mesh, which has no devices to compile for). The
