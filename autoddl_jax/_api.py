@@ -112,20 +112,24 @@ class _Static:
     return cls(value)
 
 
+def _jit_argnums(fn: Callable, nargs: int, field: str) -> tuple[int, ...]:
+  """Positions a ``jax.jit`` function's ``field`` names (none for other
+  functions), negative ones counted from the end."""
+  info = getattr(fn, "_jit_info", None)
+  nums = getattr(info, field, ()) or ()
+  return tuple(sorted({i % nargs for i in nums if -nargs <= i < nargs}))
+
+
 def static_argnums(fn: Callable, nargs: int) -> tuple[int, ...]:
   """Positions of ``fn``'s static arguments if it is a ``jax.jit`` function
   (``static_argnums``, and ``static_argnames`` given positionally)."""
-  info = getattr(fn, "_jit_info", None)
-  nums = getattr(info, "static_argnums", ()) or ()
-  return tuple(sorted({i % nargs for i in nums if -nargs <= i < nargs}))
+  return _jit_argnums(fn, nargs, "static_argnums")
 
 
 def donate_argnums(fn: Callable, nargs: int) -> tuple[int, ...]:
   """Positions of the arguments a ``jax.jit(f, donate_argnums=...)``
-  function donates (none for other functions)."""
-  info = getattr(fn, "_jit_info", None)
-  nums = getattr(info, "donate_argnums", ()) or ()
-  return tuple(sorted({i % nargs for i in nums if -nargs <= i < nargs}))
+  function donates."""
+  return _jit_argnums(fn, nargs, "donate_argnums")
 
 
 def is_nnx_node(x: Any) -> bool:
@@ -1573,14 +1577,14 @@ def _select_mode(select: str | None, mesh) -> str:
 
 def _select_compiled(best: Plan, budget: float | None, seconds: float,
                      alternatives: int, verbose: bool,
-                     base: Plan | None = None,
-                     refit: Callable[[float], Plan] | None = None) -> Plan:
+                     base: Plan | None = None, *,
+                     refit: Callable[[float], Plan]) -> Plan:
   """:func:`plan`'s ``select="compiled"``: the candidates, compiled, and
   the winner with its :class:`Selection`. ``base`` is the plan of the step
   as written where ``best`` is of a remat variant: the textbook plans are
   written on it, and it is a candidate too (``"search:no-remat"``).
   ``refit(target)``: the plan for a budget of ``target`` by the model
-  (:meth:`_Variants.fit`; default: ``best``'s program searched again)."""
+  (:meth:`_Variants.fit`)."""
   base = best if base is None else base
   cands = [("search", "pinned", best),
            ("search", "boundary",
@@ -1614,8 +1618,7 @@ def _select_compiled(best: Plan, budget: float | None, seconds: float,
       target *= last.predicted_memory / last.compiled.memory_bytes
       if progress is not None:
         progress(f"refit under {_fmt_bytes(target)} by the model")
-      again = (refit(target) if refit is not None else
-               _refit(best, target))
+      again = refit(target)
       again = again._variant(again.choice, "pinned", "search:refit")
       again.memory_budget = budget
       if any(key(p, low) == key(again, "pinned") for _, low, p in cands):
@@ -1635,20 +1638,6 @@ def _select_compiled(best: Plan, budget: float | None, seconds: float,
   chosen = best if win is None else cands[win][2]
   chosen.selection = sel
   return chosen
-
-
-def _refit(best: Plan, target: float) -> Plan:
-  """The search's plan under a memory budget of ``target`` by the model, or
-  the smallest plan it found if none fits that (the model's error varies
-  from plan to plan: the compiled program decides)."""
-  try:
-    choice, res = _fit_budget(best.problem, best._seeds, best.search, target,
-                              None)
-  except _NoFit as e:
-    choice, res = e.result.choice, e.result
-  p = best._variant(choice, "pinned", "search:refit")
-  p.search = res
-  return p
 
 
 def _propagated(prob: Problem, seeds, res: _search.SearchResult

@@ -30,6 +30,7 @@ from jax.extend import core as jcore
 
 from autoddl_jax import _rules
 from autoddl_jax._errors import RuleError
+from autoddl_jax._remat import behind_barrier
 from autoddl_jax._rules import Aval, Sig
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
@@ -45,15 +46,6 @@ ELEMENTWISE_FLOP = set(_rules.UNARY) | set(_rules.BINARY) | {
 # The weight of a reshard into an optimization barrier (see Builder.walk):
 # never the cheaper choice, so operands enter it as they were made.
 BARRIER_RESHARD_PENALTY = 1e6
-
-
-def _barrier(eqn) -> bool:
-  """Whether XLA puts an optimization barrier on ``eqn``'s operands: a
-  differentiated ``jax.checkpoint`` that prevents CSE (the recomputation a
-  backward pass makes)."""
-  return (eqn.primitive.name in ("remat2", "checkpoint")
-          and bool(eqn.params.get("differentiated"))
-          and bool(eqn.params.get("prevent_cse", True)))
 
 
 def _demanded_layout(eqn) -> tuple[Any, tuple[str, ...]] | None:
@@ -286,7 +278,7 @@ class _Builder:
         cts = [self.const(c, weight) for c in sub_consts]
         ins = [t if t is not None else self.const(v.val, weight)
                for t, v in zip(ins, eqn.invars)]
-        if _barrier(eqn):
+        if behind_barrier(eqn):
           # A backward pass's recomputation starts from its operands behind
           # an optimization barrier: new values, in the layout they come
           # in, that share no reshard with the forward's (XLA gathers a

@@ -129,12 +129,21 @@ def has_checkpoint(jaxpr) -> bool:
 KEEP_BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
+def behind_barrier(eqn) -> bool:
+  """Whether XLA puts an optimization barrier on ``eqn``'s operands: a
+  differentiated ``jax.checkpoint`` that prevents CSE (the recomputation a
+  backward pass makes)."""
+  return (eqn.primitive.name in ("remat2", "checkpoint")
+          and bool(eqn.params.get("differentiated"))
+          and bool(eqn.params.get("prevent_cse", True)))
+
+
 def _unrolled_recompute(jaxpr) -> bool:
-  """Whether ``jaxpr`` holds a backward pass's recomputation
-  (a ``differentiated`` checkpoint) outside any loop body."""
+  """Whether ``jaxpr`` holds a backward pass's recomputation behind a
+  barrier (:func:`behind_barrier`) outside any loop body."""
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in ("checkpoint", "remat2") and eqn.params.get("differentiated"):
+    if behind_barrier(eqn):
       return True
     if name not in ("scan", "while") and any(
         _unrolled_recompute(sub)
