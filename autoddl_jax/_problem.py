@@ -527,7 +527,7 @@ class Problem:
         free[key] = free.get(key, 0) + 1
     results = []
     for i in np.flatnonzero(kind == 1):
-      key = self._buffer_type(live[i][0], b[i])
+      key = self._buffer_type(live[i][0], b[i]) if free else None
       if free.get(key):
         free[key] -= 1  # aliases a donated argument
       else:
