@@ -11,8 +11,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from autoddl_jax._api import PY_SCALAR, Plan, is_nnx_node, static_argnums
 from autoddl_jax._api import plan as make_plan
+from autoddl_jax._plan import Plan
+from autoddl_jax._trace import PY_SCALAR, is_nnx_node, static_argnums
 from autoddl_jax._cluster import Cluster, parse_bytes
 
 

@@ -19,8 +19,6 @@ context, so the lowering can put the plan back onto the very same variables.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -29,18 +27,15 @@ import numpy as np
 from jax.extend import core as jcore
 
 from autoddl_jax import _rules
+from autoddl_jax._coords import repeat_key
 from autoddl_jax._errors import RuleError
 from autoddl_jax._remat import behind_barrier
-from autoddl_jax._rules import Aval, Sig
+from autoddl_jax._factors import Aval, Sig
+from autoddl_jax._jaxpr import INLINE, bodies, to_aval
+from autoddl_jax._opgraph import Op, OpGraph, Tensor
+from autoddl_jax._rules import eqn_flops
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
-INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
-          "custom_vjp_call", "custom_vjp_call_jaxpr", "remat2", "checkpoint",
-          "custom_lin"}
-INLINE_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-ELEMENTWISE_FLOP = set(_rules.UNARY) | set(_rules.BINARY) | {
-    "add", "sub", "mul", "div", "add_any", "neg", "select_n", "clamp",
-    "logistic", "erf"}
 
 
 # The weight of a reshard into an optimization barrier (see Builder.walk):
@@ -63,142 +58,6 @@ def _demanded_layout(eqn) -> tuple[Any, tuple[str, ...]] | None:
 
 class UnsupportedPrimitiveWarning(UserWarning):
   """An op with no signature rule: it runs replicated (correct, not fast)."""
-
-
-@dataclasses.dataclass
-class Tensor:
-  id: int
-  aval: Aval
-  name: str
-  producer: tuple[int, int] | None = None  # (op id, output slot)
-  consumers: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-  @property
-  def nbytes(self) -> int:
-    return math.prod(self.aval.shape) * self.aval.dtype.itemsize
-
-
-@dataclasses.dataclass
-class Op:
-  id: int
-  prim: str
-  kind: str  # "eqn" | "input" | "output" | "const" | "link"
-  ins: list[int | None]  # tensor ids; None for a literal operand
-  in_avals: list[Aval]
-  outs: list[int]
-  sigs: list[Sig]  # 1-D signatures
-  weight: float = 1.0  # executions per step (trip counts multiplied)
-  in_weights: list[float] = dataclasses.field(default_factory=list)
-  flops: float = 0.0
-  name: str = ""
-  leaf: int | None = None  # flat leaf index, for input/output ops
-  key: Any = None  # same key = the same op of a repeated (unrolled) block
-  # A layout the step itself demands of this op's result (a user's
-  # ``with_sharding_constraint``): (PartitionSpec, mesh axis names). The
-  # problem holds it fixed, so the reshard into it is planned and costed.
-  fixed: Any = None
-
-  def __post_init__(self):
-    if not self.in_weights:
-      self.in_weights = [self.weight] * len(self.ins)
-
-
-@dataclasses.dataclass
-class OpGraph:
-  tensors: list[Tensor]
-  ops: list[Op]
-  # (call context, jaxpr var) -> tensor id; a context is a tuple of eqn indices.
-  var_tensor: dict[tuple[tuple, Any], int]
-  input_ops: list[int]  # one per flat argument leaf
-  output_ops: list[int]  # one per flat result leaf
-  unsupported: dict[str, int]  # primitive -> number of fallback ops
-  eqn_op: dict[tuple, int]  # call context + eqn index -> op id
-  # call context + eqn index of a scan -> the link op each operand enters
-  # the body through (the lowering stages the reshard into it)
-  entry_links: dict[tuple, list[int]] = dataclasses.field(
-      default_factory=dict)
-  # ... and the link each of its stacked results (ys) leaves the body by
-  # (the lowering stages the reshard into it inside the body)
-  exit_links: dict[tuple, list[int]] = dataclasses.field(
-      default_factory=dict)
-  # call context + eqn index of a scan or while -> (the carry's tensor in
-  # the body, the link op the final carry leaves by), per carry: the
-  # lowering stages the reshard from the loop's layout to the result's
-  result_links: dict[tuple, list[tuple[int, int]]] = dataclasses.field(
-      default_factory=dict)
-  # link op entering or leaving a scan's or while's body -> (first, last)
-  # op id of the loop, links included: the loop's buffers (stacked xs and
-  # ys, carries, consts) live for all of it (the memory model)
-  loop_of_link: dict[int, tuple[int, int]] = dataclasses.field(
-      default_factory=dict)
-
-
-def _aval(a) -> Aval:
-  dtype = a.dtype
-  try:
-    dtype = np.dtype(dtype)
-  except TypeError:  # extended dtypes (PRNG keys) have no numpy dtype
-    dtype = np.dtype(np.uint32)
-  return Aval(tuple(int(d) for d in a.shape), dtype)
-
-
-def _sub_jaxpr(params: dict) -> tuple[Any, list]:
-  for key in INLINE_JAXPR_PARAMS:
-    if key in params:
-      j = params[key]
-      if isinstance(j, jcore.ClosedJaxpr):
-        return j.jaxpr, list(j.consts)
-      return j, []
-  raise KeyError(f"no sub-jaxpr among {sorted(params)}")
-
-
-def _closed(j) -> tuple[Any, list]:
-  if isinstance(j, jcore.ClosedJaxpr):
-    return j.jaxpr, list(j.consts)
-  return j, []
-
-
-def eqn_flops(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],
-              params: dict) -> float:
-  """FLOPs of one equation (multiply-add = 2)."""
-  if prim == "dot_general":
-    (lc, _), _ = params["dimension_numbers"]
-    k = math.prod(ins[0].shape[d] for d in lc)
-    return 2.0 * math.prod(outs[0].shape) * k
-  if prim == "conv_general_dilated":
-    return _conv_flops(ins[0].shape, ins[1].shape, outs[0].shape, params)
-  if prim in ELEMENTWISE_FLOP:
-    return float(sum(math.prod(o.shape) for o in outs))
-  if prim.startswith("reduce") or prim.startswith("cum") or prim in (
-      "argmax", "argmin", "select_and_scatter_add"):
-    return float(math.prod(ins[0].shape))
-  return 0.0
-
-
-def _conv_flops(lhs, rhs, out, params) -> float:
-  """A convolution's FLOPs as XLA's cost analysis counts them: per spatial
-  dim only the (output, kernel) position pairs that land on the input --
-  not on padding, nor between the points of a dilated input."""
-  dn = params["dimension_numbers"]
-  lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-  n = len(lhs_spec) - 2
-  strides = params.get("window_strides") or (1,) * n
-  padding = params.get("padding") or ((0, 0),) * n
-  base = params.get("lhs_dilation") or (1,) * n
-  wdil = params.get("rhs_dilation") or (1,) * n
-  valid = 1
-  for i in range(n):
-    size_in, size_k = lhs[lhs_spec[2 + i]], rhs[rhs_spec[2 + i]]
-    size_out = out[out_spec[2 + i]]
-    o = np.arange(size_out)[None, :] * strides[i] - padding[i][0]
-    idx = o + np.arange(size_k)[:, None] * wdil[i]
-    hit = (idx % base[i] == 0) & (idx >= 0) & (idx // base[i] < size_in)
-    valid *= int(hit.sum())
-  fgc = params.get("feature_group_count", 1) or 1
-  bgc = params.get("batch_group_count", 1) or 1
-  fma = (lhs[lhs_spec[1]] // fgc) * rhs[rhs_spec[0]] * (
-      lhs[lhs_spec[0]] // bgc) * valid
-  return 2.0 * fma
 
 
 class _Builder:
@@ -245,7 +104,7 @@ class _Builder:
 
   # --------------------------------------------------------------- sources
   def const(self, value, weight) -> int:
-    aval = _aval(value if hasattr(value, "shape") else np.asarray(value))
+    aval = to_aval(value if hasattr(value, "shape") else np.asarray(value))
     return self.op("const", "const", [], [], [aval], [((), (B,))],
                    weight).outs[0]
 
@@ -274,7 +133,7 @@ class _Builder:
       ins = [read(v) for v in eqn.invars]
       sub_ctx = ctx + (i,)
       if name in INLINE:
-        sub, sub_consts = _sub_jaxpr(eqn.params)
+        [(_, sub, sub_consts)] = bodies(eqn, sub_ctx)
         cts = [self.const(c, weight) for c in sub_consts]
         ins = [t if t is not None else self.const(v.val, weight)
                for t, v in zip(ins, eqn.invars)]
@@ -314,36 +173,31 @@ class _Builder:
 
   def eqn(self, eqn, ins, weight) -> Op:
     name = eqn.primitive.name
-    in_avals = [_aval(v.aval) for v in eqn.invars]
-    out_avals = [_aval(v.aval) for v in eqn.outvars]
-    sigs = None
-    if not any(isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))
-               for p in eqn.params.values()) or name in ("scatter-add",
-                                                         "reduce_window",
-                                                         "sort"):
-      try:
-        sigs = _rules.signatures(name, in_avals, out_avals, eqn.params)
-      except Exception as e:
-        # A rule that fails is a bug to fix, not a primitive to run
-        # replicated: hidden, it would only show as a slow plan.
-        ops = ", ".join(f"{a.dtype}{list(a.shape)}" for a in in_avals)
-        raise RuleError(
-            f"internal error: the signature rule of {name!r} failed on "
-            f"({ops}): {type(e).__name__}: {e}. Please report it with the "
-            "step that raised it.") from e
+    in_avals = [to_aval(v.aval) for v in eqn.invars]
+    out_avals = [to_aval(v.aval) for v in eqn.outvars]
+    try:
+      sigs = _rules.signatures(name, in_avals, out_avals, eqn.params)
+    except Exception as e:
+      # A rule that fails is a bug to fix, not a primitive to run
+      # replicated: hidden, it would only show as a slow plan.
+      ops = ", ".join(f"{a.dtype}{list(a.shape)}" for a in in_avals)
+      raise RuleError(
+          f"internal error: the signature rule of {name!r} failed on "
+          f"({ops}): {type(e).__name__}: {e}. Please report it with the "
+          "step that raised it.") from e
     if sigs is None:
       self.unsupported[name] = self.unsupported.get(name, 0) + 1
       sigs = [(tuple(B for _ in in_avals), tuple(B for _ in out_avals))]
     op = self.op(name, "eqn", ins, in_avals, out_avals, sigs, weight,
                  flops=eqn_flops(name, in_avals, out_avals, eqn.params))
-    op.key = _repeat_key(eqn, in_avals, out_avals, weight)
+    op.key = repeat_key(eqn, in_avals, out_avals, weight)
     op.fixed = _demanded_layout(eqn)
     return op
 
   def scan(self, eqn, ins, ctx, weight) -> list[int]:
     start = len(self.ops)
     p = eqn.params
-    body, body_consts = _closed(p["jaxpr"])
+    [(_, body, body_consts)] = bodies(eqn, ctx)
     nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
     inner_w = weight * length
     ins = [t if t is not None else self.const(v.val, weight)
@@ -395,14 +249,13 @@ class _Builder:
     w = weight / nb
     ops_in = [t if t is not None else self.const(v.val, weight)
               for t, v in zip(ins[1:], eqn.invars[1:])]
-    merges = [self.op("~merge", "link", [None] * nb, [_aval(v.aval)] * nb,
-                      [_aval(v.aval)], _identity_sigs(len(v.aval.shape), nb),
+    merges = [self.op("~merge", "link", [None] * nb, [to_aval(v.aval)] * nb,
+                      [to_aval(v.aval)], _identity_sigs(len(v.aval.shape), nb),
                       weight, [w] * nb) for v in eqn.outvars]
-    for b, br in enumerate(branches):
-      jx, consts = _closed(br)
+    for b, (bctx, jx, consts) in enumerate(bodies(eqn, ctx)):
       args = [self.link("~link", t, self.tensors[t].aval, w, w) for t in ops_in]
       cts = [self.const(c, w) for c in consts]
-      outs = self.walk(jx, cts, args, ctx + (b,), w)
+      outs = self.walk(jx, cts, args, bctx, w)
       for m, t, v in zip(merges, outs, jx.outvars):
         if t is None:
           t = self.const(np.zeros(v.aval.shape, v.aval.dtype), w)
@@ -427,12 +280,11 @@ class _Builder:
                             _identity_sigs(a.rank, 2), weight,
                             [weight, weight]))
     carry = [m.outs[0] for m in merges]
-    cj, cconsts = _closed(p["cond_jaxpr"])
+    (cctx, cj, cconsts), (bctx, bj, bconsts) = bodies(eqn, ctx)
     self.walk(cj, [self.const(c, weight) for c in cconsts], cond_c + carry,
-              ctx + ("cond",), weight)
-    bj, bconsts = _closed(p["body_jaxpr"])
+              cctx, weight)
     outs = self.walk(bj, [self.const(c, weight) for c in bconsts],
-                     body_c + carry, ctx + ("body",), weight)
+                     body_c + carry, bctx, weight)
     for m, t, v in zip(merges, outs, bj.outvars):
       if t is None:
         t = self.const(np.zeros(v.aval.shape, v.aval.dtype), weight)
@@ -444,59 +296,6 @@ class _Builder:
     self._loop(start, [self.tensors[t].producer[0] for t in cond_c + body_c]
                + [m.id for m in merges])
     return results
-
-
-def _repeat_key(eqn, in_avals, out_avals, weight):
-  """Ops of structurally identical unrolled blocks share this key: the same
-  source location (a Python loop's body), transform (forward or backward),
-  primitive, shapes and parameters."""
-  si = eqn.source_info
-  if si is None or si.traceback is None:
-    return None
-  try:
-    params = tuple(sorted((k, repr(v)) for k, v in eqn.params.items()
-                          if not isinstance(v, (jcore.Jaxpr,
-                                                jcore.ClosedJaxpr))))
-    return (si.traceback, str(si.name_stack), eqn.primitive.name,
-            tuple(in_avals), tuple(out_avals), params, weight)
-  except TypeError:  # an unhashable traceback or parameter
-    return None
-
-
-def repeat_groups(graph: OpGraph, input_tokens: Sequence[Any],
-                  depth: int = 6, min_repeats: int = 4) -> list[list[int]]:
-  """Groups of ops that are the same op of repeated (unrolled) blocks.
-
-  Two ops match when they have the same :func:`_repeat_key` and so do their
-  producers, ``depth`` levels up the dataflow (a Merkle hash); the program's
-  inputs hash by ``input_tokens`` (parameter paths with layer numbers
-  removed). Two multiplies from one source line inside one block then stay
-  apart, while the same multiply in block 3 and block 7 share one decision.
-  Only ops repeated ``min_repeats`` times or more are tied: for a model of two
-  or three blocks, the blocks next to the embedding and the head differ too
-  much for one decision to fit them all, and the search is cheap anyway.
-  """
-  tok: list[Any] = []
-  for op in graph.ops:
-    if op.kind == "input":
-      tok.append(("input", input_tokens[op.leaf]))
-    elif op.key is not None:
-      tok.append(op.key)
-    else:
-      tok.append((op.prim, op.kind, tuple(op.in_avals)))
-  h = [hash(t) for t in tok]
-  for _ in range(depth):
-    nh = []
-    for op in graph.ops:
-      ins = tuple(h[graph.tensors[t].producer[0]] if t is not None else 0
-                  for t in op.ins)
-      nh.append(hash((h[op.id], ins)))
-    h = nh
-  by_key: dict[int, list[int]] = {}
-  for op in graph.ops:
-    if op.kind == "eqn" and op.key is not None:
-      by_key.setdefault(h[op.id], []).append(op.id)
-  return [g for g in by_key.values() if len(g) >= min_repeats]
 
 
 def _identity_sigs(rank: int, n_in: int = 1) -> list[Sig]:
@@ -532,7 +331,7 @@ def build_graph(closed_jaxpr, in_names: Sequence[str],
   consts = [bld.const(c, 1.0) for c in closed_jaxpr.consts]
   input_ops = []
   for i, v in enumerate(jaxpr.invars):
-    a = _aval(v.aval)
+    a = to_aval(v.aval)
     split = splittable_in[i] if splittable_in is not None else True
     o = bld.op("input", "input", [], [], [a], _source_sigs(a, split),
                name=in_names[i], leaf=i)
@@ -541,7 +340,7 @@ def build_graph(closed_jaxpr, in_names: Sequence[str],
                   1.0)
   output_ops = []
   for i, (t, v) in enumerate(zip(outs, jaxpr.outvars)):
-    a = _aval(v.aval)
+    a = to_aval(v.aval)
     if t is None:
       t = bld.const(np.zeros(a.shape, a.dtype), 1.0)
     sigs = [((s,), ()) for (_, (s,)) in _source_sigs(a, True)]

@@ -24,10 +24,10 @@ import re
 from typing import Any
 
 import jax
-import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-         "collective-permute")
+from autoddl_jax._collectives import KINDS, ring_bytes, seconds
+from autoddl_jax._replica_groups import group_axes, parse_groups
+
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
                 "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -81,84 +81,6 @@ def _arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
 def _nbytes(arrs) -> float:
   return float(sum(_DTYPE_BYTES.get(dt, 4) * math.prod(shape)
                    for dt, shape in arrs))
-
-
-def parse_groups(attrs: str, num_devices: int) -> list[list[int]]:
-  """Device groups of a collective from its attribute text."""
-  m = re.search(r"replica_groups=(\{\{[0-9,{}\s]*\}\}|\{\})", attrs)
-  if m:
-    text = m.group(1)
-    groups = [[int(x) for x in g.split(",") if x.strip()]
-              for g in re.findall(r"\{([0-9,\s]*)\}", text[1:-1])]
-    groups = [g for g in groups if g]
-    return groups or [list(range(num_devices))]
-  m = re.search(r"replica_groups=(\[([0-9,]+)\]<=\[[0-9,]+\]"
-                r"(?:T\([0-9,]+\))?)", attrs)
-  if m:  # iota form: [groups, size]<=[dims]T(perm)
-    n_groups = int(m.group(2).split(",")[0])
-    return _iota_or_list(m.group(1), num_devices).reshape(
-        n_groups, -1).tolist()
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(?:,\s*device_ids=\("
-                r"(.*?)\)\s*)?\{([^}]*)\}", attrs)
-  if m:
-    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-    names = [a for a, _ in axes]
-    sizes = [int(s) for _, s in axes]
-    chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
-    arr = np.arange(math.prod(sizes))
-    if m.group(2):  # the mesh's device ids, in iota form or listed
-      arr = _iota_or_list(m.group(2), math.prod(sizes))
-    arr = arr.reshape(sizes)
-    rest = [i for i in range(len(sizes)) if i not in chosen]
-    arr = arr.transpose(rest + chosen).reshape(-1, math.prod(
-        sizes[i] for i in chosen) if chosen else 1)
-    return arr.tolist()
-  m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-  if m:
-    return [[int(x) for x in p.split(",")]
-            for p in re.findall(r"\{([0-9,]+)", m.group(1) + "}")]
-  return [list(range(num_devices))]
-
-
-def _iota_or_list(text: str, n: int) -> np.ndarray:
-  """``[2,4]T(1,0)`` or ``[4,2]<=[8]`` or ``0,4,1,5`` -> device ids."""
-  text = text.strip()
-  m = re.fullmatch(r"\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?",
-                   text)
-  if not m:
-    return np.array([int(x) for x in re.findall(r"\d+", text)][:n])
-  dims = [int(x) for x in (m.group(2) or m.group(1)).split(",")]
-  arr = np.arange(math.prod(dims)).reshape(dims)
-  if m.group(3):
-    arr = arr.transpose([int(x) for x in m.group(3).split(",")])
-  return arr.reshape(-1)
-
-
-def group_axes(groups, axis_names: tuple[str, ...],
-               axis_sizes: tuple[int, ...]) -> tuple[str, ...]:
-  """The mesh axes along which members of a group differ (in mesh order)."""
-  span = set()
-  for g in groups:
-    if len(g) < 2:
-      continue
-    coords = np.array(np.unravel_index(np.asarray(g), axis_sizes))
-    span.update(int(a) for a in np.nonzero((coords != coords[:, :1]).any(
-        axis=1))[0])
-  return tuple(axis_names[a] for a in sorted(span))
-
-
-def ring_bytes(kind: str, p: int, result_bytes: float,
-               operand_bytes: float) -> float:
-  if kind == "collective-permute":
-    return result_bytes
-  if p <= 1:
-    return 0.0
-  frac = (p - 1) / p
-  if kind == "all-reduce":
-    return 2 * frac * result_bytes
-  if kind == "reduce-scatter":
-    return frac * operand_bytes
-  return frac * result_bytes  # all-gather, all-to-all
 
 
 def _read(text: str):
@@ -422,7 +344,5 @@ def emitted_seconds(cols: list[Collective], mi: Any) -> float:
     idx = [mi.axis_names.index(a) for a in c.axes] or range(mi.ndim)
     alpha = max(mi.alpha[i] for i in idx)
     beta = min(mi.beta[i] for i in idx)
-    steps = {"all-reduce": 2 * (p - 1), "collective-permute": 1}.get(
-        c.kind, p - 1)
-    total += c.count * (steps * alpha + c.bytes_per_device / beta)
+    total += c.count * seconds(c.kind, p, c.bytes_per_device, alpha, beta)
   return total

@@ -11,19 +11,21 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from autoddl_jax._errors import PlanFileError
+from autoddl_jax._version import __version__
 from autoddl_jax._remat import POLICIES
 from autoddl_jax._select import LOWERINGS
 
-if TYPE_CHECKING:
-  from autoddl_jax._api import Plan
+if TYPE_CHECKING:  # for annotations only: _plan imports this module
+  from autoddl_jax._plan import Plan
+  from autoddl_jax._program import Program
+  from autoddl_jax._trace import Traced
 
 FORMAT = "autoddl_jax.plan"
 VERSION = 1
 
 
-def program_fingerprint(plan: Plan) -> str:
+def program_fingerprint(tr: Traced) -> str:
   """sha256 of the traced program (its jaxpr) and its argument types."""
-  tr = plan._traced  # noqa: SLF001 (same package)
   h = hashlib.sha256()
   h.update(str(tr.closed.jaxpr).encode())
   for name, a in zip(tr.in_names, tr.in_avals):
@@ -37,11 +39,10 @@ def _mesh_dict(plan: Plan) -> dict[str, int]:
 
 
 def to_json(plan: Plan) -> dict[str, Any]:
-  from autoddl_jax import __version__
   mi = plan.mesh_info
-  tr = plan._traced  # noqa: SLF001
+  tr = plan.traced
   args = []
-  for name, a, s, spec in zip(plan.user_paths(), tr.in_avals, plan.in_sbps,
+  for name, a, s, spec in zip(tr.user_paths(), tr.in_avals, plan.in_sbps,
                               _flat_specs(plan)):
     args.append(dict(path=name, shape=list(a.shape), dtype=str(a.dtype),
                      sbp=repr(s), spec=str(spec)))
@@ -50,7 +51,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
       "version": VERSION,
       "autoddl_jax": __version__,
       "fingerprint": {
-          "program": program_fingerprint(plan),
+          "program": program_fingerprint(plan.traced),
           "mesh": _mesh_dict(plan),
           "cluster": dataclasses.asdict(plan.cluster),
       },
@@ -184,47 +185,49 @@ def _schema_problem(data: dict[str, Any]) -> str | None:
   return None
 
 
-def load(path: str | os.PathLike, fn: Callable, args: tuple, mesh,
-         cluster) -> Plan:
-  from autoddl_jax._api import Plan, _setup  # the same package
+def load(path: str | os.PathLike, build: Callable[[str | tuple[str, ...]],
+                                                  Program]
+         ) -> tuple[Program, dict[str, Any]]:
+  """Reads a plan file and builds its program (``build(remat)``: the step
+  traced again with the file's remat policy); checks that the file was made
+  for that program, mesh and cluster. Returns (the program, the file's
+  data); raises :class:`PlanFileError` saying what differs."""
   data = read(path)
   remat = data.get("remat", "none")  # files before it: no remat
   remat = remat if isinstance(remat, str) else tuple(remat)
-  cluster_, mesh_, mi, tr, graph, prob, _ = _setup(fn, args, mesh, cluster,
-                                                   remat=remat)
+  program = build(remat)
+  mi, tr = program.mesh_info, program.traced
   fp = data["fingerprint"]
   want_mesh = dict(zip(mi.axis_names, mi.axis_sizes))
   if fp.get("mesh") != want_mesh:
     raise PlanFileError(f"plan file {os.fspath(path)!r} was made for mesh "
                         f"{fp.get('mesh')}, not {want_mesh}")
-  if fp.get("cluster") != dataclasses.asdict(cluster_):
-    diff = sorted(k for k, v in dataclasses.asdict(cluster_).items()
+  cluster = dataclasses.asdict(program.cluster)
+  if fp.get("cluster") != cluster:
+    diff = sorted(k for k, v in cluster.items()
                   if fp.get("cluster", {}).get(k) != v)
     raise PlanFileError(f"plan file {os.fspath(path)!r} was made for another "
                         f"cluster (differs in: {', '.join(diff)})")
   choice = data["choice"]
-  if len(choice) != len(graph.ops) or not all(
-      isinstance(c, int) and 0 <= c < len(prob.cands[o])
+  if len(choice) != len(program.graph.ops) or not all(
+      isinstance(c, int) and 0 <= c < len(program.problem.cands[o])
       for o, c in enumerate(choice)):
     raise PlanFileError(f"plan file {os.fspath(path)!r} does not fit this "
                         "program (its choices do not match the traced ops)")
-  plan = Plan(fn=fn, mesh=mesh_, mi=mi, cluster=cluster_, traced=tr,
-              graph=graph, problem=prob, choice=choice, search=None,
-              search_seconds=0.0,
-              lowering=data.get("lowering", "pinned"),  # files before it
-              source=data.get("source", "search"), remat=remat)
-  if program_fingerprint(plan) != fp.get("program"):
+  if program_fingerprint(tr) != fp.get("program"):
     old = {a["path"]: (tuple(a["shape"]), a["dtype"])
            for a in data["arguments"]}
     new = {n: (tuple(a.shape), str(a.dtype))
-           for n, a in zip(plan.user_paths(), tr.in_avals)}
+           for n, a in zip(tr.user_paths(), tr.in_avals)}
     changed = [k for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k)]
     what = (f"arguments differ: {', '.join(changed[:5])}" if changed else
             "the same argument types but a different computation")
     raise PlanFileError(f"plan file {os.fspath(path)!r} was made for another "
                         f"program ({what})")
-  return plan
+  data.setdefault("lowering", "pinned")  # files before them
+  data.setdefault("source", "search")
+  return program, data
 
 
 def show(path: str | os.PathLike) -> str:

@@ -38,7 +38,7 @@ import numpy as np
 
 from autoddl_jax._cluster import MeshInfo
 from autoddl_jax._cost import transition
-from autoddl_jax._problem import Evaluation, Problem
+from autoddl_jax._problem import PlanCost, Problem
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
 
@@ -113,7 +113,7 @@ def _one_group(mi: MeshInfo) -> MeshInfo:
       link=(links.pop() if len(links) == 1 else "mixed",))
 
 
-def evaluate(prob: Problem, choice: Sequence[int]) -> Evaluation:
+def evaluate(prob: Problem, choice: Sequence[int]) -> PlanCost:
   """``prob.evaluate(choice)`` with the devices as one group (see the
   module docstring)."""
   ch = np.asarray(choice, dtype=np.int64)

@@ -4,483 +4,70 @@ A signature is ``(input SBPs, output SBPs)`` for one mesh axis such that running
 the op on each device's local shards gives the right global result, with no
 communication. Signatures on different mesh axes are independent, so the n-D
 candidates of an op are the product of its 1-D list over the mesh axes, minus
-those that split a dim by more than it divides (see ``_graph``).
+those that split a dim by more than it divides (see ``_problem``).
 
-Most rules are *factor maps*, as in einsum: every dim of every operand is
-labelled with a factor; splitting a factor splits it on every operand that has
-it, and the output gets ``S`` where the factor survives or ``P`` where it is
-summed away. ``B`` everywhere is always allowed. On top come the *linearity*
-signatures that carry partial sums (``P + P -> P``, ``P * B -> P``, ...).
-
-A rule sees shapes only: ``ins``/``outs`` are tuples of :class:`Aval`.
-Codes: ``S(d) = d``, ``B = -1``, ``P = -2``.
+:data:`RULES` holds each primitive's :class:`Rule` as a value, one line
+each: its signatures (an elementwise factor map, or a rule of
+:mod:`autoddl_jax._shape_rules`), the partial sums it carries where it is
+linear in some operands (``Rule(f, ("PB",))``: ``P`` in the first operand
+and ``B`` in the second give ``P``), how its FLOPs count, and whether it
+holds whatever sub-jaxpr its equation carries. :func:`signatures` applies
+one (rank-checked); :func:`eqn_flops` is an equation's FLOPs, which the
+cost model divides by the candidate's split.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from jax.extend import core as jcore
 
-from autoddl_jax._sbp import B_CODE as B, P_CODE as P
-
-Sig = tuple[tuple[int, ...], tuple[int, ...]]
+from autoddl_jax import _shape_rules as sr
+from autoddl_jax._factors import Aval, Sig, SigFn, dedup, elementwise
+from autoddl_jax._factors import with_partials
 
 
 @dataclasses.dataclass(frozen=True)
-class Aval:
-  shape: tuple[int, ...]
-  dtype: np.dtype
+class Rule:
+  """One primitive's rule, as a value.
 
-  @property
-  def rank(self) -> int:
-    return len(self.shape)
-
-  @property
-  def is_float(self) -> bool:
-    return np.issubdtype(self.dtype, np.floating) or np.issubdtype(
-        self.dtype, np.complexfloating)
-
-
-Rule = Callable[[Sequence[Aval], Sequence[Aval], dict[str, Any]], list[Sig]]
-
-
-def _all_b(ins, outs) -> Sig:
-  return (tuple(B for _ in ins), tuple(B for _ in outs))
-
-
-def _dedup(sigs: list[Sig]) -> list[Sig]:
-  seen, out = set(), []
-  for s in sigs:
-    if s not in seen:
-      seen.add(s)
-      out.append(s)
-  return out
-
-
-# ----------------------------------------------------------------- factor maps
-def factor_sigs(ins: Sequence[Aval], outs: Sequence[Aval],
-                in_factors: Sequence[str], out_factors: Sequence[str],
-                summed: str = "", blocked: str = "") -> list[Sig]:
-  """Signatures from an einsum-like factor map.
-
-  ``in_factors[i]`` labels each dim of input ``i`` with one character ('' for a
-  scalar or an operand the factors do not touch, '.' for a dim that is never
-  split). A factor missing from every output is *summed* (split -> P) if listed
-  in ``summed``, otherwise not splittable. Factors in ``blocked`` never split.
-  """
-  sigs = [_all_b(ins, outs)]
-  factors = sorted({f for fs in (*in_factors, *out_factors) for f in fs} - {"."})
-  for f in factors:
-    if f in blocked:
-      continue
-    in_codes = tuple(fs.index(f) if f in fs else B for fs in in_factors)
-    if any(f in fs for fs in out_factors):
-      out_codes = tuple(fs.index(f) if f in fs else B for fs in out_factors)
-    elif f in summed:
-      out_codes = tuple(P for _ in out_factors)
-    else:
-      continue
-    sigs.append((in_codes, out_codes))
-  return sigs
-
-
-_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
-def _dims(rank: int, start: int = 0) -> str:
-  return _LETTERS[start:start + rank]
-
-
-def _elementwise(ins, outs, params) -> list[Sig]:
-  r = outs[0].rank
-  out = outs[0].shape
-  # A size-1 dim against a longer result dim broadcasts (lax's elementwise
-  # ops take them, e.g. RoPE's ``x * cos[None, :, None, :]``): that operand
-  # stays whole along it while the others split it.
-  fs = ["".join("." if a.shape[d] == 1 and out[d] != 1 else f
-                for d, f in enumerate(_dims(r))) if a.rank == r else ""
-        for a in ins]
-  return factor_sigs(ins, outs, fs, [_dims(r)] * len(outs))
-
-
-def _linear(*patterns: str) -> Callable[[Rule], Rule]:
-  """Adds partial-sum signatures to a rule.
-
-  Each pattern has one char per input: 'P' (partial), 'B' (replicated), '*'
-  (P if the input is a float array, else B); its last char repeats for any
-  further inputs ("BP": a predicate, then any number of partial cases). The
-  output is P.
+  ``sigs`` gives the op's 1-D signatures from its operand and result shapes
+  and parameters (a factor map or a shape rule); ``linear`` the patterns of
+  the partial sums it carries (:func:`~autoddl_jax._factors.with_partials`:
+  ``("PB", "BP")`` for a product); ``flops`` how its FLOPs are counted
+  (:data:`FLOPS`); ``sees_jaxpr``: the rule holds for the equation whatever
+  the sub-jaxpr in its parameters (a scatter-add's update, a reduce
+  window's or a sort's comparison), where any other equation holding one
+  gets no rule. :meth:`signatures` checks every signature against the
+  operands' ranks: a rule that names a dim an operand lacks is a bug.
   """
 
-  def wrap(rule: Rule) -> Rule:
-
-    def with_p(ins, outs, params):
-      sigs = rule(ins, outs, params)
-      if not all(o.is_float for o in outs):
-        return sigs
-      for pat in patterns:
-        pat = (pat + pat[-1] * len(ins))[:len(ins)]
-        codes = []
-        for ch, a in zip(pat, ins):
-          codes.append(P if ch == "P" or (ch == "*" and a.is_float and a.rank)
-                       else B)
-        if P in codes:
-          sigs = sigs + [(tuple(codes), tuple(P for _ in outs))]
-      return _dedup(sigs)
-
-    return with_p
-
-  return wrap
-
-
-# --------------------------------------------------------------- shape rules
-def _broadcast_in_dim(ins, outs, params):
-  bd = params["broadcast_dimensions"]
-  x, y = ins[0], outs[0]
-  letters = _dims(y.rank)
-  # A size-1 dim broadcast to a larger one never splits on the input side; the
-  # output dims the input lacks can split (each device broadcasts its slice).
-  xf = "".join(letters[bd[i]] if x.shape[i] == y.shape[bd[i]] else "."
-               for i in range(x.rank))
-  return _pad_ins(factor_sigs(ins[:1], outs, [xf], [letters]), len(ins))
-
-
-def _pad_ins(sigs: list[Sig], n_ins: int) -> list[Sig]:
-  """Extends signatures over the first inputs with B for trailing operands."""
-  return [(i + (B,) * (n_ins - len(i)), o) for i, o in sigs]
-
-
-def _reshape_map(src: Sequence[int], dst: Sequence[int]) -> dict[int, int]:
-  """Dims i of src that split exactly like dim j of dst (same major prefix)."""
-  out, pre_s = {}, 1
-  pre_d = np.cumprod([1, *dst])
-  for i, s in enumerate(src):
-    for j in range(len(dst)):
-      if pre_d[j] == pre_s and dst[j] > 1 and s > 1:
-        out[i] = j
-        break
-    pre_s *= s
-  return out
-
-
-def _reshape(ins, outs, params):
-  m = _reshape_map(ins[0].shape, outs[0].shape)
-  sigs = [_all_b(ins, outs)]
-  for i, j in m.items():
-    sigs.append(((i,) + (B,) * (len(ins) - 1), (j,)))
-  return sigs
-
-
-def _transpose(ins, outs, params):
-  perm = params["permutation"]
-  letters = _dims(ins[0].rank)
-  return factor_sigs(ins, outs, [letters], ["".join(letters[p] for p in perm)])
-
-
-def _reduce(summed: bool) -> Rule:
-
-  def rule(ins, outs, params):
-    axes = set(params["axes"])
-    letters = _dims(ins[0].rank)
-    of = "".join(c for d, c in enumerate(letters) if d not in axes)
-    red = "".join(c for d, c in enumerate(letters) if d in axes)
-    return factor_sigs(ins, outs, [letters] * len(ins), [of] * len(outs),
-                       summed=red if summed else "")
-
-  return rule
-
-
-def _along_axis(param: str) -> Rule:
-  """Ops that mix along one axis (cumsum, sort, ...): that axis never splits."""
-
-  def rule(ins, outs, params):
-    ax = params[param]
-    ax = ax if ax >= 0 else ins[0].rank + ax
-    letters = "".join("." if d == ax else c
-                      for d, c in enumerate(_dims(ins[0].rank)))
-    return factor_sigs(ins, outs, [letters] * len(ins), [letters] * len(outs))
-
-  return rule
-
-
-def _top_k(ins, outs, params):
-  # Splitting the rows would be local, but XLA's partitioner gathers top_k's
-  # operand anyway (tests/test_rules.py): keep it replicated.
-  return [_all_b(ins, outs)]
-
-
-def _squeeze(ins, outs, params):
-  drop = {d % ins[0].rank for d in params["dimensions"]}
-  letters = _dims(ins[0].rank)
-  return factor_sigs(ins, outs, [letters],
-                     ["".join(c for d, c in enumerate(letters) if d not in drop)])
-
-
-def _full_dims(operand: Aval, window: Sequence[int]) -> str:
-  return "".join(c if w == s else "." for c, w, s in
-                 zip(_dims(operand.rank), window, operand.shape))
-
-
-def _slice(ins, outs, params):
-  x, y = ins[0], outs[0]
-  letters = "".join(c if a == b else "."
-                    for c, a, b in zip(_dims(x.rank), x.shape, y.shape))
-  return factor_sigs(ins, outs, [letters], [letters])
-
-
-def _dynamic_slice(ins, outs, params):
-  letters = _full_dims(ins[0], params["slice_sizes"])
-  return factor_sigs(ins, outs, [letters] + [""] * (len(ins) - 1), [letters])
-
-
-def _dynamic_update_slice(ins, outs, params):
-  x, u = ins[0], ins[1]
-  letters = "".join(c if a == b else "."
-                    for c, a, b in zip(_dims(x.rank), x.shape, u.shape))
-  return factor_sigs(ins, outs, [letters, letters] + [""] * (len(ins) - 2),
-                     [letters])
-
-
-def _concatenate(ins, outs, params):
-  d = params["dimension"]
-  letters = "".join("." if i == d else c
-                    for i, c in enumerate(_dims(outs[0].rank)))
-  return factor_sigs(ins, outs, [letters] * len(ins), [letters])
-
-
-def _stack(ins, outs, params):
-  # The new dim holds one operand each: it never splits; the others map.
-  out = _dims(outs[0].rank)
-  letters = out[:params["axis"]] + out[params["axis"] + 1:]
-  return factor_sigs(ins, outs, [letters] * len(ins),
-                     [out[:params["axis"]] + "." + out[params["axis"] + 1:]])
-
-
-def _unstack(ins, outs, params):
-  x = _dims(ins[0].rank)
-  letters = x[:params["axis"]] + x[params["axis"] + 1:]
-  return factor_sigs(ins, outs, [x[:params["axis"]] + "." +
-                                 x[params["axis"] + 1:]],
-                     [letters] * len(outs))
-
-
-def _tile(ins, outs, params):
-  # A repeated dim does not split (the local tile of a shard repeats the
-  # shard, not the whole); dims tiled once map through. Leading new dims
-  # (more reps than the operand has dims) are never split.
-  reps = tuple(params["reps"])
-  new = outs[0].rank - ins[0].rank
-  x = _dims(ins[0].rank, new)
-  letters = "".join(c if r == 1 else "." for c, r in zip(x, reps[new:]))
-  return factor_sigs(ins, outs, [letters], ["." * new + letters])
-
-
-def _split(ins, outs, params):
-  d = params["axis"]
-  letters = "".join("." if i == d else c
-                    for i, c in enumerate(_dims(ins[0].rank)))
-  return factor_sigs(ins, outs, [letters], [letters] * len(outs))
-
-
-def _rev(ins, outs, params):
-  rev = set(params["dimensions"])
-  letters = "".join("." if d in rev else c
-                    for d, c in enumerate(_dims(ins[0].rank)))
-  return factor_sigs(ins, outs, [letters], [letters])
-
-
-def _pad(ins, outs, params):
-  letters = "".join(c if cfg == (0, 0, 0) else "." for c, cfg in
-                    zip(_dims(ins[0].rank), params["padding_config"]))
-  return factor_sigs(ins, outs, [letters, ""], [letters])
-
-
-def _iota(ins, outs, params):
-  # Each device can produce its own slice of an iota (offset by its index).
-  return factor_sigs(ins, outs, [""] * len(ins), [_dims(outs[0].rank)])
-
-
-def _dot_general(ins, outs, params):
-  (lc, rc), (lb, rb) = params["dimension_numbers"]
-  lhs, rhs = ins
-  lf, rf = ["."] * lhs.rank, ["."] * rhs.rank
-  it = iter(_LETTERS)
-  out = []
-  for a, b in zip(lb, rb):
-    c = next(it)
-    lf[a] = rf[b] = c
-    out.append(c)
-  summed = ""
-  for a, b in zip(lc, rc):
-    c = next(it)
-    lf[a] = rf[b] = c
-    summed += c
-  for d in range(lhs.rank):
-    if d not in lc and d not in lb:
-      lf[d] = next(it)
-      out.append(lf[d])
-  for d in range(rhs.rank):
-    if d not in rc and d not in rb:
-      rf[d] = next(it)
-      out.append(rf[d])
-  return factor_sigs(ins, outs, ["".join(lf), "".join(rf)], ["".join(out)],
-                     summed=summed)
-
-
-def _conv(ins, outs, params):
-  dn = params["dimension_numbers"]
-  lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-  lf, rf, of = ["."] * ins[0].rank, ["."] * ins[1].rank, ["."] * outs[0].rank
-  groups = params["feature_group_count"] != 1
-  bgroups = params["batch_group_count"] != 1
-  if not bgroups:
-    lf[lhs_spec[0]] = of[out_spec[0]] = "n"
-  if not groups and not bgroups:
-    rf[rhs_spec[0]] = of[out_spec[1]] = "o"
-    lf[lhs_spec[1]] = rf[rhs_spec[1]] = "c"
-  # A patch embedding (window == stride, no padding or dilation) maps each
-  # block of the input's spatial dim to one of the output's: split together,
-  # every device convolves its own patches (no halo).
-  strides = params["window_strides"]
-  pads = params["padding"]
-  lhs_dil = params.get("lhs_dilation") or (1,) * len(strides)
-  rhs_dil = params.get("rhs_dilation") or (1,) * len(strides)
-  for i, letter in zip(range(len(strides)), "hwdtuv"):
-    li, ri, oi = lhs_spec[2 + i], rhs_spec[2 + i], out_spec[2 + i]
-    if (ins[1].shape[ri] == strides[i] and tuple(pads[i]) == (0, 0)
-        and lhs_dil[i] == 1 and rhs_dil[i] == 1
-        and ins[0].shape[li] == strides[i] * outs[0].shape[oi]):
-      lf[li] = of[oi] = letter
-  return factor_sigs(ins, outs, ["".join(lf), "".join(rf)], ["".join(of)],
-                     summed="c")
-
-
-def _window_letters(x: Aval, params) -> str:
-  ok = []
-  for d, c in enumerate(_dims(x.rank)):
-    trivial = (params["window_dimensions"][d] == 1
-               and params["window_strides"][d] == 1
-               and tuple(params["padding"][d]) == (0, 0)
-               and params.get("base_dilation", (1,) * x.rank)[d] == 1
-               and params.get("window_dilation", (1,) * x.rank)[d] == 1)
-    ok.append(c if trivial else ".")
-  return "".join(ok)
-
-
-def _reduce_window(ins, outs, params):
-  n = len(outs)
-  letters = _window_letters(ins[0], params)
-  # Operands then init values (scalars).
-  return factor_sigs(ins, outs, [letters] * n + [""] * (len(ins) - n),
-                     [letters] * n)
-
-
-def _select_and_scatter_add(ins, outs, params):
-  # (source, operand) -> like operand; windowed dims never split.
-  letters = _window_letters(ins[1], params)
-  return factor_sigs(ins, outs, [letters, letters], [letters])
-
-
-def _select_and_gather_add(ins, outs, params):
-  letters = _window_letters(ins[1], params)
-  return factor_sigs(ins, outs, [letters, letters], [letters])
-
-
-def _gather(ins, outs, params):
-  operand, idx = ins
-  out = outs[0]
-  dn = params["dimension_numbers"]
-  slice_sizes = params["slice_sizes"]
-  offset_dims = tuple(dn.offset_dims)
-  collapsed = set(dn.collapsed_slice_dims)
-  obatch = tuple(getattr(dn, "operand_batching_dims", ()) or ())
-  ibatch = tuple(getattr(dn, "start_indices_batching_dims", ()) or ())
-  start_map = tuple(dn.start_index_map)
-  sigs = [_all_b(ins, outs)]
-  # Operand dims that pass through whole into the output's offset dims.
-  passthrough = [d for d in range(operand.rank)
-                 if d not in collapsed and d not in obatch]
-  for d, od in zip(passthrough, offset_dims):
-    if slice_sizes[d] == operand.shape[d] and d not in start_map:
-      sigs.append(((d, B), (od,)))
-  # Index batch dims -> output batch dims (the index vector dim is last).
-  out_batch = [d for d in range(out.rank) if d not in offset_dims]
-  for i, od in zip(range(idx.rank - 1), out_batch):
-    if i in ibatch:
-      sigs.append(((obatch[ibatch.index(i)], i), (od,)))
-    else:
-      sigs.append(((B, i), (od,)))
-  # A table split on an indexed dim: each device looks up what it owns and
-  # zeros the rest (XLA masks), so the result is a partial sum.
-  if out.is_float:
-    for d in start_map:
-      if slice_sizes[d] == 1 and d not in obatch:
-        sigs.append(((d, B), (P,)))
-  return _dedup(sigs)
-
-
-def _scatter_add(ins, outs, params):
-  operand, idx, upd = ins
-  dn = params["dimension_numbers"]
-  uwd = tuple(dn.update_window_dims)
-  inserted = set(dn.inserted_window_dims)
-  obatch = tuple(getattr(dn, "operand_batching_dims", ()) or ())
-  ibatch = tuple(getattr(dn, "scatter_indices_batching_dims", ()) or ())
-  s2o = tuple(dn.scatter_dims_to_operand_dims)
-  sigs = [_all_b(ins, outs)]
-  window_operand = [d for d in range(operand.rank)
-                    if d not in inserted and d not in obatch]
-  for d, ud in zip(window_operand, uwd):
-    if upd.shape[ud] == operand.shape[d] and d not in s2o:
-      sigs.append(((d, B, ud), (d,)))
-  upd_scatter = [d for d in range(upd.rank) if d not in uwd]
-  for i, ud in zip(range(idx.rank - 1), upd_scatter):
-    if i in ibatch:
-      od = obatch[ibatch.index(i)]
-      sigs.append(((od, i, ud), (od,)))
-    elif outs[0].is_float:
-      # Each device scatters its share of the updates: partial sums.
-      sigs.append(((P, i, ud), (P,)))
-  for d in s2o:
-    if d in inserted and d not in obatch:
-      sigs.append(((d, B, B), (d,)))  # each device keeps its rows (masked)
-  if outs[0].is_float:
-    sigs.append(((P, B, P), (P,)))
-  return _dedup(sigs)
-
-
-def _scatter(ins, outs, params):
-  """scatter (set), scatter-mul/-max/-min: the window and batch dims split
-  as for scatter-add; no partial sums (the combiner is not a sum)."""
-  return [s for s in _scatter_add(ins, outs, params)
-          if P not in s[0] and P not in s[1]]
-
-
-def _convert(ins, outs, params):
-  sigs = _elementwise(ins, outs, params)
-  # Partial sums survive a cast only if it does not round them: float to a
-  # float at least as wide.
-  if ins[0].is_float and outs[0].is_float and (
-      outs[0].dtype.itemsize >= ins[0].dtype.itemsize):
-    sigs.append(((P,), (P,)))
-  return sigs
-
-
-def _replicated(ins, outs, params):
-  return [_all_b(ins, outs)]
-
-
-def _bitcast(ins, outs, params):
-  if ins[0].rank == outs[0].rank:  # same width: elementwise
-    return _elementwise(ins, outs, params)
-  return [_all_b(ins, outs)]
-
-
-def _clamp(ins, outs, params):
-  return _elementwise(ins, outs, params)
+  sigs: SigFn
+  linear: tuple[str, ...] = ()
+  flops: str = "none"
+  sees_jaxpr: bool = False
+
+  def signatures(self, ins: Sequence[Aval], outs: Sequence[Aval],
+                 params: dict[str, Any]) -> list[Sig]:
+    sigs = self.sigs(ins, outs, params)
+    if self.linear:
+      sigs = with_partials(sigs, self.linear, ins, outs)
+    sigs = dedup(sigs)
+    for sig in sigs:
+      codes_in, codes_out = sig
+      if len(codes_in) != len(ins) or len(codes_out) != len(outs):
+        raise ValueError(f"signature {sig} has {len(codes_in)} input and "
+                         f"{len(codes_out)} output codes for {len(ins)} "
+                         f"operands and {len(outs)} results")
+      for c, a in zip((*codes_in, *codes_out), (*ins, *outs)):
+        if c >= a.rank:
+          raise ValueError(f"signature {sig} splits dim {c} of a rank-"
+                           f"{a.rank} value")
+    return sigs
 
 
 # ------------------------------------------------------------------ the table
@@ -496,67 +83,148 @@ BINARY = """atan2 rem pow max min nextafter and or xor eq ne lt le gt ge
 
 RULES: dict[str, Rule] = {}
 for _name in UNARY:
-  RULES[_name] = _elementwise
+  RULES[_name] = Rule(elementwise)
 for _name in LINEAR_UNARY:
-  RULES[_name] = _linear("P")(_elementwise)
+  RULES[_name] = Rule(elementwise, ("P",))
 for _name in BINARY:
-  RULES[_name] = _elementwise
+  RULES[_name] = Rule(elementwise)
 for _name in ("add", "sub", "add_any"):
-  RULES[_name] = _linear("PP")(_elementwise)
-RULES["mul"] = _linear("PB", "BP")(_elementwise)
-RULES["div"] = _linear("PB")(_elementwise)
-RULES["select_n"] = _linear("BP")(_elementwise)
-RULES["clamp"] = _clamp
-RULES["convert_element_type"] = _convert
-RULES["broadcast_in_dim"] = _linear("PB")(_broadcast_in_dim)
-RULES["reshape"] = _linear("P")(_reshape)
-RULES["transpose"] = _linear("P")(_transpose)
-RULES["squeeze"] = _linear("P")(_squeeze)
-RULES["reduce_sum"] = _linear("P")(_reduce(summed=True))
+  RULES[_name] = Rule(elementwise, ("PP",))
+RULES["mul"] = Rule(elementwise, ("PB", "BP"))
+RULES["div"] = Rule(elementwise, ("PB",))
+RULES["select_n"] = Rule(elementwise, ("BP",))
+RULES["clamp"] = Rule(sr.clamp)
+RULES["convert_element_type"] = Rule(sr.convert)
+RULES["broadcast_in_dim"] = Rule(sr.broadcast_in_dim, ("PB",))
+RULES["reshape"] = Rule(sr.reshape, ("P",))
+RULES["transpose"] = Rule(sr.transpose, ("P",))
+RULES["squeeze"] = Rule(sr.squeeze, ("P",))
+RULES["reduce_sum"] = Rule(sr.reduce(summed=True), ("P",))
 for _name in ("reduce_max", "reduce_min", "reduce_prod", "reduce_and",
               "reduce_or", "reduce_xor", "argmax", "argmin"):
-  RULES[_name] = _reduce(summed=False)
-RULES["cumsum"] = _linear("P")(_along_axis("axis"))
+  RULES[_name] = Rule(sr.reduce(summed=False))
+RULES["cumsum"] = Rule(sr.along_axis("axis"), ("P",))
 for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
-  RULES[_name] = _along_axis("axis")
-RULES["sort"] = _along_axis("dimension")
-RULES["top_k"] = _top_k
-RULES["slice"] = _linear("P")(_slice)
-RULES["dynamic_slice"] = _linear("PB")(_dynamic_slice)
-RULES["dynamic_update_slice"] = _linear("PPB")(_dynamic_update_slice)
-RULES["concatenate"] = _linear("P")(_concatenate)
-RULES["split"] = _linear("P")(_split)
-RULES["stack"] = _linear("P")(_stack)
-RULES["unstack"] = _linear("P")(_unstack)
-RULES["tile"] = _linear("P")(_tile)
-RULES["pad"] = _pad
-RULES["bitcast_convert_type"] = _bitcast
+  RULES[_name] = Rule(sr.along_axis("axis"))
+RULES["sort"] = Rule(sr.along_axis("dimension"), sees_jaxpr=True)
+RULES["top_k"] = Rule(sr.top_k)
+RULES["slice"] = Rule(sr.slice, ("P",))
+RULES["dynamic_slice"] = Rule(sr.dynamic_slice, ("PB",))
+RULES["dynamic_update_slice"] = Rule(sr.dynamic_update_slice, ("PPB",))
+RULES["concatenate"] = Rule(sr.concatenate, ("P",))
+RULES["split"] = Rule(sr.split, ("P",))
+RULES["stack"] = Rule(sr.stack, ("P",))
+RULES["unstack"] = Rule(sr.unstack, ("P",))
+RULES["tile"] = Rule(sr.tile, ("P",))
+RULES["pad"] = Rule(sr.pad)
+RULES["bitcast_convert_type"] = Rule(sr.bitcast)
 # Random bits must come out identical to the unsharded program's: generated
 # replicated (jax's partitionable threefry is a config flag we do not assume).
 for _name in ("random_bits", "random_seed", "random_wrap", "random_unwrap",
               "random_fold_in", "random_split", "threefry2x32"):
-  RULES[_name] = _replicated
-RULES["rev"] = _linear("P")(_rev)
-RULES["iota"] = _iota
-RULES["empty2"] = _iota  # uninitialised: each device makes its own piece
-RULES["dot_general"] = _linear("PB", "BP")(_dot_general)
-RULES["conv_general_dilated"] = _linear("PB", "BP")(_conv)
-RULES["reduce_window_max"] = _reduce_window
-RULES["reduce_window_min"] = _reduce_window
-RULES["reduce_window_sum"] = _linear("PB")(_reduce_window)
-RULES["reduce_window"] = _reduce_window
-RULES["select_and_scatter_add"] = _linear("PB")(_select_and_scatter_add)
-RULES["select_and_gather_add"] = _linear("PB")(_select_and_gather_add)
-RULES["gather"] = _linear("PB")(_gather)
-RULES["scatter-add"] = _scatter_add
+  RULES[_name] = Rule(sr.replicated)
+RULES["rev"] = Rule(sr.rev, ("P",))
+RULES["iota"] = Rule(sr.iota)
+RULES["empty2"] = Rule(sr.iota)  # uninitialised: each device makes its own piece
+RULES["dot_general"] = Rule(sr.dot_general, ("PB", "BP"))
+RULES["conv_general_dilated"] = Rule(sr.conv, ("PB", "BP"))
+RULES["reduce_window_max"] = Rule(sr.reduce_window)
+RULES["reduce_window_min"] = Rule(sr.reduce_window)
+RULES["reduce_window_sum"] = Rule(sr.reduce_window, ("PB",))
+RULES["reduce_window"] = Rule(sr.reduce_window, sees_jaxpr=True)
+RULES["select_and_scatter_add"] = Rule(sr.select_and_scatter_add, ("PB",))
+RULES["select_and_gather_add"] = Rule(sr.select_and_gather_add, ("PB",))
+RULES["gather"] = Rule(sr.gather, ("PB",))
+RULES["scatter-add"] = Rule(sr.scatter_add, sees_jaxpr=True)
+# A scatter's update_jaxpr is the combiner its name says (the rules are
+# checked against it in tests/test_rules.py).
 for _name in ("scatter", "scatter-mul", "scatter-max", "scatter-min"):
-  RULES[_name] = _scatter
+  RULES[_name] = Rule(sr.scatter, sees_jaxpr=True)
+
+ELEMENTWISE_FLOP = set(UNARY) | set(BINARY) | {
+    "add", "sub", "mul", "div", "add_any", "neg", "select_n", "clamp",
+    "logistic", "erf"}
+
+
+def _dot_flops(ins, outs, params) -> float:
+  (lc, _), _ = params["dimension_numbers"]
+  k = math.prod(ins[0].shape[d] for d in lc)
+  return 2.0 * math.prod(outs[0].shape) * k
+
+
+# How an equation's FLOPs are counted (multiply-add = 2), by kind.
+FLOPS = {
+    "dot": _dot_flops,
+    "conv": lambda ins, outs, params: _conv_flops(
+        ins[0].shape, ins[1].shape, outs[0].shape, params),
+    "elementwise": lambda ins, outs, params: float(
+        sum(math.prod(o.shape) for o in outs)),
+    "operand": lambda ins, outs, params: float(math.prod(ins[0].shape)),
+    "none": lambda ins, outs, params: 0.0,
+}
+
+
+def flops_kind(prim: str) -> str:
+  """The :data:`FLOPS` kind of a primitive (with a rule or not)."""
+  if prim == "dot_general":
+    return "dot"
+  if prim == "conv_general_dilated":
+    return "conv"
+  if prim in ELEMENTWISE_FLOP:
+    return "elementwise"
+  if prim.startswith("reduce") or prim.startswith("cum") or prim in (
+      "argmax", "argmin", "select_and_scatter_add"):
+    return "operand"
+  return "none"
+
+
+RULES = {name: dataclasses.replace(rule, flops=flops_kind(name))
+         for name, rule in RULES.items()}
 
 
 def signatures(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],
                params: dict[str, Any]) -> list[Sig] | None:
-  """The 1-D signatures of one equation, or None when there is no rule."""
+  """The 1-D signatures of one equation, or None when there is no rule
+  (or its parameters hold a sub-jaxpr its rule does not see)."""
   rule = RULES.get(prim)
   if rule is None:
     return None
-  return _dedup(rule(ins, outs, params))
+  if not rule.sees_jaxpr and any(
+      isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))
+      for p in params.values()):
+    return None
+  return rule.signatures(ins, outs, params)
+
+
+def eqn_flops(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],
+              params: dict) -> float:
+  """FLOPs of one equation (multiply-add = 2)."""
+  rule = RULES.get(prim)
+  kind = rule.flops if rule is not None else flops_kind(prim)
+  return FLOPS[kind](ins, outs, params)
+
+
+def _conv_flops(lhs, rhs, out, params) -> float:
+  """A convolution's FLOPs as XLA's cost analysis counts them: per spatial
+  dim only the (output, kernel) position pairs that land on the input --
+  not on padding, nor between the points of a dilated input."""
+  dn = params["dimension_numbers"]
+  lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+  n = len(lhs_spec) - 2
+  strides = params.get("window_strides") or (1,) * n
+  padding = params.get("padding") or ((0, 0),) * n
+  base = params.get("lhs_dilation") or (1,) * n
+  wdil = params.get("rhs_dilation") or (1,) * n
+  valid = 1
+  for i in range(n):
+    size_in, size_k = lhs[lhs_spec[2 + i]], rhs[rhs_spec[2 + i]]
+    size_out = out[out_spec[2 + i]]
+    o = np.arange(size_out)[None, :] * strides[i] - padding[i][0]
+    idx = o + np.arange(size_k)[:, None] * wdil[i]
+    hit = (idx % base[i] == 0) & (idx >= 0) & (idx // base[i] < size_in)
+    valid *= int(hit.sum())
+  fgc = params.get("feature_group_count", 1) or 1
+  bgc = params.get("batch_group_count", 1) or 1
+  fma = (lhs[lhs_spec[1]] // fgc) * rhs[rhs_spec[0]] * (
+      lhs[lhs_spec[0]] // bgc) * valid
+  return 2.0 * fma

@@ -59,7 +59,7 @@ class Candidate:
   predicted_s: float
   predicted_memory: float
   compiled: CompiledScore | None = None
-  compile_seconds: float = 0.0
+  compile_s: float = 0.0
   fits: bool | None = None  # memory_analysis peak within the budget
   skipped: str | None = None
   error: str | None = None
@@ -75,7 +75,7 @@ class Selection:
   reason: str
   candidates: tuple[Candidate, ...] = ()
   winner: int | None = None
-  seconds: float = 0.0
+  compile_s: float = 0.0  # compiling the candidates, in all
 
   def table(self) -> list[tuple[str, ...]]:
     rows = [("candidate", "lowering", "predicted", "compiled", "comm",
@@ -93,7 +93,7 @@ class Selection:
           "" if s is None else f"{s.comm_s * 1e3:.4g} ms",
           "" if s is None or s.memory_bytes is None else
           format_bytes(s.memory_bytes),
-          f"{c.compile_seconds:.1f} s" if (s is not None and not c.skipped)
+          f"{c.compile_s:.1f} s" if (s is not None and not c.skipped)
           or c.error else "",
           note))
     return rows
@@ -144,7 +144,7 @@ def select(candidates: Sequence[tuple[str, str, Any]], *,
     if len(out) > len(prior) and not everyone and \
         time.perf_counter() - t0 > time_limit:
       out.append(dataclasses.replace(
-          c, skipped=f"not compiled: select_seconds={time_limit:g} spent"))
+          c, skipped=f"not compiled: select_s={time_limit:g} spent"))
       continue
     t1 = time.perf_counter()
     try:
@@ -155,13 +155,13 @@ def select(candidates: Sequence[tuple[str, str, Any]], *,
                                log="".join(log))
     except Exception as e:  # noqa: BLE001 (reported; the others still run)
       out.append(dataclasses.replace(
-          c, compile_seconds=time.perf_counter() - t1,
+          c, compile_s=time.perf_counter() - t1,
           error=f"{type(e).__name__}: {e}"))
       continue
     fits = None if budget is None or score.memory_bytes is None else \
         score.memory_bytes <= budget
     out.append(dataclasses.replace(
-        c, compiled=score, compile_seconds=time.perf_counter() - t1,
+        c, compiled=score, compile_s=time.perf_counter() - t1,
         fits=fits))
     if progress is not None:
       progress(f"compiled {name} ({lowering}): {score.time_s * 1e3:.4g} ms, "

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from autoddl_jax import _hlo
+from autoddl_jax._collectives import KINDS
 from autoddl_jax._cost import transition_steps
+from autoddl_jax._program import shard_tree
 
-if TYPE_CHECKING:
-  from autoddl_jax._api import Plan
+if TYPE_CHECKING:  # for annotations only: _plan imports this module
+  from autoddl_jax._plan import Plan
 
-KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
-         "collective-permute")
 TOLERANCE = 0.10  # disagreements beyond this are flagged
 # What XLA's SPMD partitioner logs when it cannot go from one sharding to
 # another but by replicating the whole tensor and slicing it again: the
@@ -201,9 +201,9 @@ def compile_plan(plan: Plan, pin_inputs: bool = True,
                  ) -> tuple[Any, Any]:
   """(compiled program, its Auto-axes mesh) of ``plan.jit()`` for abstract
   arguments placed as the plan says (nothing allocated)."""
-  mesh = plan._auto_mesh()  # noqa: SLF001 (the same package)
-  tr = plan._traced  # noqa: SLF001
-  in_sh = plan._shard_tree(plan.in_specs, mesh)  # noqa: SLF001
+  mesh = plan.program.auto_mesh()
+  tr = plan.traced
+  in_sh = shard_tree(plan.in_specs, mesh)
   flat_sh = jax.tree_util.tree_leaves(
       in_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)

@@ -30,9 +30,10 @@ import jax
 import numpy as np
 
 from autoddl_jax._errors import DistributedError
+from autoddl_jax._io import program_fingerprint
 
-if TYPE_CHECKING:
-  from autoddl_jax._api import Plan
+if TYPE_CHECKING:  # for annotations only
+  from autoddl_jax._plan import Plan
 
 # What the launcher tells each process (see autoddl_jax.launch).
 ENV_COORDINATOR = "AUTODDL_COORDINATOR"
@@ -182,8 +183,7 @@ def _backends_started() -> bool:
 
 def plan_fingerprint(plan: Plan) -> str:
   """sha256 of the program, mesh, cluster and every choice of a plan."""
-  from autoddl_jax._io import program_fingerprint
-  h = hashlib.sha256(program_fingerprint(plan).encode())
+  h = hashlib.sha256(program_fingerprint(plan.traced).encode())
   mi = plan.mesh_info
   h.update(repr((mi.axis_names, mi.axis_sizes, plan.cluster)).encode())
   h.update(np.asarray(plan.choice, dtype=np.int64).tobytes())

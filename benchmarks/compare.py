@@ -51,7 +51,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax import _search  # noqa: E402
-from autoddl_jax._api import TEXTBOOK  # noqa: E402
+from autoddl_jax._seeds import TEXTBOOK  # noqa: E402
 from autoddl_jax._select import compiler_options  # noqa: E402
 from autoddl_jax._verify import CompiledScore, compile_plan  # noqa: E402
 
@@ -160,7 +160,7 @@ def main(argv=None):
       try:
         plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
                        memory_budget=budget, select="compiled",
-                       select_seconds=math.inf, verbose=False)
+                       select_s=math.inf, verbose=False)
       except ad.MemoryBudgetError as e:
         print(f"[compare]   no plan fits: {e}", file=sys.stderr)
         cases.append(dict(head, chosen="(none fits)"))
@@ -192,8 +192,8 @@ def main(argv=None):
             head, best_textbook="(none fits)",
             chosen=_chosen_label(won, plan),
             chosen_ms=won.compiled.time_s * 1e3, search_fits=own.fits,
-            pred_emit=pred_emit, search_s=plan.search_seconds,
-            select_s=sel.seconds, remat=won.compiled.remat_warnings))
+            pred_emit=pred_emit, search_s=plan.search_s,
+            select_s=sel.compile_s, remat=won.compiled.remat_warnings))
         print(f"[compare]   chosen {cases[-1]['chosen']}: no textbook plan "
               "fits", file=sys.stderr, flush=True)
         continue
@@ -212,7 +212,7 @@ def main(argv=None):
           chosen_vs=won.compiled.time_s / book.compiled.time_s,
           pred_emit=pred_emit,
           remat=won.compiled.remat_warnings,
-          search_s=plan.search_seconds, select_s=sel.seconds,
+          search_s=plan.search_s, select_s=sel.compile_s,
           exact_gap=gap, pairwise_gap=pairwise))
       print(f"[compare]   row {json.dumps(cases[-1])}", file=sys.stderr)
       print(f"[compare]   chosen {cases[-1]['chosen']} "
@@ -263,7 +263,7 @@ def _gaps_only(args):
                    select="model", verbose=False)
     gap, pairwise = _exact_gaps(plan, args.exact_limit)
     rows.append(dict(model=name, mesh=mkey, cluster=ckey,
-                     search_s=plan.search_seconds, exact_gap=gap,
+                     search_s=plan.search_s, exact_gap=gap,
                      pairwise_gap=pairwise))
     print(f"[compare] {rows[-1]}", file=sys.stderr, flush=True)
   _table(["model", "mesh", "cluster", "search_s", "exact_gap",

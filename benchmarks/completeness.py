@@ -39,8 +39,8 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
 from autoddl_jax import _rules  # noqa: E402
-from autoddl_jax._graph import INLINE, _aval  # noqa: E402
-from autoddl_jax._lower import _bind  # noqa: E402
+from autoddl_jax._jaxpr import INLINE, to_aval  # noqa: E402
+from autoddl_jax._lower import bind_eqn  # noqa: E402
 from autoddl_jax._sbp import B_CODE as B, codes_to_spec, spec_to_codes  # noqa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -125,8 +125,8 @@ def check_equation(eqn, mesh=None) -> list[dict]:
   have that signature."""
   mesh = mesh or _mesh()
   ins = [v for v in eqn.invars]
-  in_avals = [_aval(v.aval) for v in ins]
-  out_avals = [_aval(v.aval) for v in eqn.outvars]
+  in_avals = [to_aval(v.aval) for v in ins]
+  out_avals = [to_aval(v.aval) for v in eqn.outvars]
   sigs = set(_rules.signatures(eqn.primitive.name, in_avals, out_avals,
                                eqn.params) or [])
   lit = [isinstance(v, jcore.Literal) for v in ins]
@@ -147,7 +147,7 @@ def check_equation(eqn, mesh=None) -> list[dict]:
       it = iter(xs)
       vals = [v.val if is_lit else next(it) for v, is_lit in zip(
           eqn.invars, lit)]
-      out = _bind(eqn, vals, mesh)
+      out = bind_eqn(eqn, vals, mesh)
       return out if eqn.primitive.multiple_results else [out]
 
     try:

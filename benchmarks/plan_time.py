@@ -34,7 +34,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jax.sharding import AbstractMesh  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
-from autoddl_jax import models  # noqa: E402
+from autoddl_jax.testing import models  # noqa: E402
 
 CASES = [
     # name, config, mesh shape, mesh axes, concrete mesh?
@@ -105,15 +105,15 @@ def main(argv=None):
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     t0 = time.perf_counter()
     plan = ad.plan(ex.step, *ex.args, mesh=mesh, select="compiled",
-                   select_seconds=float("inf"))
+                   select_s=float("inf"))
     total = time.perf_counter() - t0
     sel = plan.selection
     won = sel.candidates[sel.winner]
     print(f"\n{name} on a concrete {'x'.join(map(str, shape))} mesh, "
           f"select='compiled': {total:.1f} s in all, search "
-          f"{plan.search_seconds:.2f} s, compiling "
+          f"{plan.search_s:.2f} s, compiling "
           f"{sum(c.compiled is not None for c in sel.candidates)} of "
-          f"{len(sel.candidates)} candidates {sel.seconds:.1f} s; chosen "
+          f"{len(sel.candidates)} candidates {sel.compile_s:.1f} s; chosen "
           f"{won.name} ({won.lowering}), compiled "
           f"{won.compiled.time_s * 1e3:.2f} ms")
   print(f"jax {jax.__version__}, autoddl_jax {ad.__version__}")

@@ -31,11 +31,12 @@ import plan_time  # noqa: E402 (its 12-layer GPT)
 from jax.sharding import AbstractMesh  # noqa: E402
 
 import autoddl_jax as ad  # noqa: E402
-from autoddl_jax import _api, _search, models  # noqa: E402
+from autoddl_jax import _program, _search, _seeds  # noqa: E402
+from autoddl_jax.testing import models  # noqa: E402
 
-TRWS = dict(SEEDED=_search.Passing(1.0, 100, 3),
-            UNSEEDED=_search.Passing(1.0, 100, 100))
-NOW = dict(SEEDED=_search.SEEDED, UNSEEDED=_search.UNSEEDED)
+TRWS = _search.SearchOptions(seeded=_search.Passing(1.0, 100, 3),
+                             unseeded=_search.Passing(1.0, 100, 100))
+NOW = _search.DEFAULT
 
 
 CLUSTERS = {
@@ -74,16 +75,11 @@ def cases(quick: bool):
         ad.H100_NODE
 
 
-def _search_with(settings, prob, seeds):
-  old = (_search.SEEDED, _search.UNSEEDED)
-  _search.SEEDED, _search.UNSEEDED = settings["SEEDED"], settings["UNSEEDED"]
-  try:
-    t0 = time.perf_counter()
-    res = _search.coordinate_descent(prob, seeds,
-                                     polish=getattr(prob, "untied", None))
-    return res, time.perf_counter() - t0
-  finally:
-    _search.SEEDED, _search.UNSEEDED = old
+def _search_with(options, prob, seeds):
+  t0 = time.perf_counter()
+  res = _search.search(prob, seeds, polish=getattr(prob, "untied", None),
+                       options=options)
+  return res, time.perf_counter() - t0
 
 
 def main(argv=None):
@@ -96,9 +92,8 @@ def main(argv=None):
   for name, ex, shape, cluster in cases(args.quick):
     mesh = AbstractMesh(shape, ("data",) if len(shape) == 1 else
                         ("data", "model"))
-    _, _, mi, tr, graph, prob, state = _api._setup(  # noqa: SLF001
-        ex.step, ex.args, mesh, cluster)
-    seeds = _api._seeds(prob, graph, tr, mi, state)  # noqa: SLF001
+    program = _program.build(ex.step, ex.args, mesh, cluster)
+    prob, seeds = program.problem, _seeds.seeds(program)
     out = []
     for settings in (TRWS, NOW):
       res, secs = _search_with(settings, prob, seeds)

@@ -43,7 +43,8 @@ import autoddl_jax as ad  # noqa: E402
 from autoddl_jax._cluster import mesh_info  # noqa: E402
 from autoddl_jax._cost import (transition_states, transition_steps,  # noqa: E402
                               valid_states)
-from autoddl_jax._lower import Pins, _local_reduce, reductions  # noqa: E402  # noqa: E402
+from autoddl_jax._lower import Pins  # noqa: E402
+from autoddl_jax._regions import local_reduce, reductions  # noqa: E402
 from autoddl_jax._sbp import B_CODE, P_CODE, codes_to_spec  # noqa: E402
 
 MESHES = {"4": (4,), "8": (8,), "2x4": (2, 4), "4x2": (4, 2),
@@ -148,7 +149,7 @@ def _xla_bytes(mesh, shape, src, dst, path=()) -> dict[str, float]:
         if path else None
     if red is not None:
       spec = ((a_codes, b_codes), (red,))
-      fn = jax.jit(lambda u, w: stage(_local_reduce(eqn, [u, w], spec, mesh)),
+      fn = jax.jit(lambda u, w: stage(local_reduce(eqn, [u, w], spec, mesh)),
                    out_shardings=out_sh)
     else:
       fn = jax.jit(lambda u, w: stage(contract(u, w)), out_shardings=out_sh)

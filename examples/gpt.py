@@ -7,23 +7,42 @@ Plans the in-place nnx train step (model and optimizer updated inside the
 step) for a (2, 4) mesh of 2 nodes x 4 devices, prints the plan beside DP,
 FSDP and Megatron, runs three steps and checks each loss against the
 unsharded step, then sets what the plan predicted beside what XLA compiled.
-``python -m autoddl_jax plan examples.gpt:example --mesh data=16,model=8``
-plans it for 128 devices from the command line.
+``python -m autoddl_jax plan examples.gpt:example_large --mesh
+data=16,model=8`` plans it at GPT-2 medium's shape for 128 devices from
+the command line (``examples/gpt.py:example_large`` works too).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import sys
 import time
 
-import _common  # noqa: F401  (8 CPU devices; first)
-import jax
-import jax.numpy as jnp
-import optax
-from flax import nnx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -m form too
+import _common  # noqa: E402,F401  (8 CPU devices; first)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 
-import autoddl_jax as ad
+import autoddl_jax as ad  # noqa: E402
 
-VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 512, 128, 4, 4, 64, 16
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  vocab: int = 512
+  d: int = 128
+  heads: int = 4
+  layers: int = 4
+  seq: int = 64
+  batch: int = 16
+
+
+SMALL = Config()  # runs on 8 CPU devices
+# GPT-2 medium's shape (355M parameters), batch 64 x 1024 tokens: planned
+# abstractly (``example_large``), nothing allocated.
+LARGE = Config(vocab=50304, d=1024, heads=16, layers=24, seq=1024, batch=64)
 
 
 class Gpt(nnx.Module):
@@ -31,22 +50,25 @@ class Gpt(nnx.Module):
   stacked on a leading layer axis (one ``lax.scan`` runs them), a tied
   unembedding."""
 
-  def __init__(self, rngs: nnx.Rngs):
+  def __init__(self, cfg: Config, rngs: nnx.Rngs):
     init = jax.nn.initializers.normal(0.02)
-    stack = lambda *shape: nnx.Param(init(rngs.params(), (LAYERS, *shape)))  # noqa: E731
-    self.embed = nnx.Param(init(rngs.params(), (VOCAB, D)))
-    self.pos = nnx.Param(init(rngs.params(), (SEQ, D)))
-    self.wqkv = stack(D, 3 * D)
-    self.wo = stack(D, D)
-    self.w1 = stack(D, 4 * D)
-    self.w2 = stack(4 * D, D)
-    self.ln1 = nnx.Param(jnp.ones((LAYERS, D)))
-    self.ln2 = nnx.Param(jnp.ones((LAYERS, D)))
-    self.ln_f = nnx.Param(jnp.ones((D,)))
+    d, layers = cfg.d, cfg.layers
+    stack = lambda *shape: nnx.Param(init(rngs.params(), (layers, *shape)))  # noqa: E731
+    self.heads = cfg.heads
+    self.embed = nnx.Param(init(rngs.params(), (cfg.vocab, d)))
+    self.pos = nnx.Param(init(rngs.params(), (cfg.seq, d)))
+    self.wqkv = stack(d, 3 * d)
+    self.wo = stack(d, d)
+    self.w1 = stack(d, 4 * d)
+    self.w2 = stack(4 * d, d)
+    self.ln1 = nnx.Param(jnp.ones((layers, d)))
+    self.ln2 = nnx.Param(jnp.ones((layers, d)))
+    self.ln_f = nnx.Param(jnp.ones((d,)))
 
   def __call__(self, tokens):
     x = self.embed[...][tokens] + self.pos[...][None]
-    mask = jnp.tril(jnp.ones((SEQ, SEQ), bool))
+    seq = tokens.shape[1]
+    mask = jnp.tril(jnp.ones((seq, seq), bool))
 
     def norm(x, scale):
       x = x - x.mean(-1, keepdims=True)
@@ -55,7 +77,7 @@ class Gpt(nnx.Module):
     def block(x, w):
       wqkv, wo, w1, w2, ln1, ln2 = w
       q, k, v = jnp.split(norm(x, ln1) @ wqkv, 3, axis=-1)
-      heads = lambda t: t.reshape(*t.shape[:2], HEADS, -1)  # noqa: E731
+      heads = lambda t: t.reshape(*t.shape[:2], self.heads, -1)  # noqa: E731
       q, k, v = heads(q), heads(k), heads(v)
       att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
       att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
@@ -81,21 +103,22 @@ def train_step(model: Gpt, optimizer: nnx.Optimizer, batch):
   return loss
 
 
-def make(seed: int = 0):
-  model = Gpt(nnx.Rngs(seed))
+def make(seed: int = 0, cfg: Config = SMALL):
+  model = Gpt(cfg, nnx.Rngs(seed))
   optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
   return model, optimizer
 
 
-def batch_of(step: int):
+def batch_of(step: int, cfg: Config = SMALL):
   k = jax.random.key(100 + step)
-  tokens = jax.random.randint(k, (BATCH, SEQ + 1), 0, VOCAB)
+  tokens = jax.random.randint(k, (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
   return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def example():
-  """For the CLI: the functional form of the step and abstract arguments."""
-  graphdef, state = nnx.split(make())
+def example(cfg: Config = SMALL):
+  """For the CLI: the functional form of the step and abstract arguments
+  (shapes only: the model is never built)."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: make(cfg=cfg)))
 
   def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
@@ -104,21 +127,27 @@ def example():
 
   abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
   return step, (jax.tree.map(abstract, state),
-                jax.tree.map(abstract, batch_of(0)))
+                jax.eval_shape(lambda: batch_of(0, cfg)))
+
+
+def example_large():
+  """:func:`example` at GPT-2 medium's shape (:data:`LARGE`)."""
+  return example(LARGE)
 
 
 def main():
   mesh = _common.mesh()
   model, optimizer = make()
   n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  print(f"GPT (flax.nnx): {LAYERS} layers in lax.scan, d_model {D}, {n:,} "
+  print(f"GPT (flax.nnx): {SMALL.layers} layers in lax.scan, d_model "
+        f"{SMALL.d}, {n:,} "
         f"parameters; mesh {dict(mesh.shape)} on {jax.device_count()} CPU "
         "devices (2 nodes x 4)")
   step = ad.auto_shard(train_step, mesh=mesh, cluster=_common.CLUSTER)
   t0 = time.perf_counter()
   losses = [step(model, optimizer, batch_of(0))]
   print(f"planned and ran the first step in {time.perf_counter() - t0:.2f} s "
-        f"(the search alone: {step.plan.search_seconds:.2f} s)\n")
+        f"(the search alone: {step.plan.search_s:.2f} s)\n")
   _common.report(step.plan)
   losses += [step(model, optimizer, batch_of(i)) for i in (1, 2)]
   ref_model, ref_opt = make()

@@ -7,13 +7,15 @@ library form -- plan, inspect, save, load, jit -- on 8 simulated CPU devices.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
-import _common  # noqa: F401  (8 CPU devices; first)
-import jax
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -m form too
+import _common  # noqa: E402,F401  (8 CPU devices; first)
+import jax  # noqa: E402
 
-import autoddl_jax as ad
-from autoddl_jax import models
+import autoddl_jax as ad  # noqa: E402
+from autoddl_jax.testing import models  # noqa: E402
 
 
 def example():
@@ -27,7 +29,7 @@ def main():
   ex = models.mlp(batch=256, sizes=(512, 2048, 2048, 512))
   plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=_common.CLUSTER)
   print(f"MLP {' -> '.join(map(str, (512, 2048, 2048, 512)))}, batch 256; "
-        f"mesh {dict(mesh.shape)}; planned in {plan.search_seconds:.2f} s\n")
+        f"mesh {dict(mesh.shape)}; planned in {plan.search_s:.2f} s\n")
   _common.report(plan)
 
   # Keep the plan; load it back for the same program (no search).

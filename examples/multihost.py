@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from autoddl_jax import models  # noqa: E402
+from autoddl_jax.testing import models  # noqa: E402
 
 CONFIG = models.GptConfig(vocab=256, d_model=64, n_heads=4, n_layers=2,
                           seq=32, batch=16, scan=True)

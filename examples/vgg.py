@@ -6,14 +6,18 @@
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (8 CPU devices; first)
-import jax
-import jax.numpy as jnp
-import optax
-from flax import linen as nn
-from flax.training import train_state
+import os
+import sys
 
-import autoddl_jax as ad
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -m form too
+import _common  # noqa: E402,F401  (8 CPU devices; first)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
+import autoddl_jax as ad  # noqa: E402
 
 BATCH, IMAGE, CLASSES = 32, 32, 10
 
@@ -71,7 +75,7 @@ def main():
     state, loss = step(state, batch_of(i))
     losses.append(loss)
   print(f"VGG-style CNN (flax.linen), batch {BATCH} of {IMAGE}x{IMAGE}; mesh "
-        f"{dict(mesh.shape)}; planned in {step.plan.search_seconds:.2f} s\n")
+        f"{dict(mesh.shape)}; planned in {step.plan.search_s:.2f} s\n")
   _common.report(step.plan)
   ref, ref_state, ref_losses = jax.jit(train_step), make(), []
   for i in range(3):

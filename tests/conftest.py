@@ -34,7 +34,7 @@ def cluster():
 def saved(tmp_path):
   """(example, path) of an MLP step's plan on a (2, 4) mesh, saved."""
   import optax
-  from autoddl_jax import models
+  from autoddl_jax.testing import models
   from helpers import make_mesh
   ex = models.mlp(optimizer=optax.adam(1e-2))
   plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),

@@ -1,5 +1,5 @@
 """Shared test helpers: meshes and numerics checks (hand-written plans live in
-``autoddl_jax.models.hand_plans``)."""
+``autoddl_jax.testing.models.hand_plans``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType
 
-from autoddl_jax import models
-from autoddl_jax.models import hand_plans  # noqa: F401 (re-exported)
+from autoddl_jax.testing import models
+from autoddl_jax.testing.models import hand_plans  # noqa: F401 (re-exported)
 
 MESH_SHAPES = [(8,), (2, 4), (4, 2)]
 

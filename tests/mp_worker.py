@@ -40,7 +40,7 @@ import dataclasses  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from autoddl_jax import models  # noqa: E402
+from autoddl_jax.testing import models  # noqa: E402
 
 pid = jax.process_index()
 mesh = jax.make_mesh((2, 4), ("data", "model"),

@@ -1,5 +1,6 @@
 """The public API: shapes of results, non-array leaves, and every error."""
 
+import dataclasses
 import math
 
 import jax
@@ -23,12 +24,37 @@ X = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
 
 def test_public_face_is_small():
   assert set(ad.__all__) == {
-      "AutoDDLError", "B", "Candidate", "Cluster", "Collective",
+      "AutoDDLError", "AutoShard", "Candidate", "Cluster", "Collective",
       "CompiledScore", "DistributedError", "H100_NODE", "MemoryBudgetError",
-      "NdSbp", "P", "Plan", "PlanCost", "PlanFileError", "RuleError", "S",
-      "Sbp", "Selection", "UnsupportedPrimitiveWarning", "auto_shard",
+      "NdSbp", "Plan", "PlanCost", "PlanFileError", "RuleError", "Selection",
+      "UnsupportedPrimitiveWarning", "Verification", "auto_shard",
       "checkpoint", "collectives", "cost_of", "distributed", "hand_plan",
-      "load_plan", "plan"}
+      "load_plan", "plan", "sbp"}
+  # The partial-sum placement does not shadow ``P = PartitionSpec``.
+  assert not hasattr(ad, "P") and repr(ad.sbp.P) == "P"
+  assert set(ad.sbp.__all__) == {"B", "NdSbp", "P", "S", "Sbp"}
+
+
+def test_a_plan_is_a_frozen_value():
+  plan = ad.plan(lambda w, x: jnp.sum(jnp.tanh(x @ w)), W, X,
+                 mesh=AbstractMesh((8,), ("data",)))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.memory_budget = 1.0
+  again = plan.replace(memory_budget=1e9)
+  assert again.memory_budget == 1e9 and plan.memory_budget != 1e9
+  assert again.choice == plan.choice and again.program is plan.program
+  assert again.cost == plan.cost
+
+
+def test_a_rule_naming_a_dim_its_operand_lacks_is_an_internal_error(
+    monkeypatch):
+  # Rules are values checked where they are applied: a signature that splits
+  # dim 5 of a rank-2 value is a rule bug, not a plan.
+  from autoddl_jax import _rules
+  bad = _rules.Rule(lambda ins, outs, params: [((-1,), (-1,)), ((5,), (5,))])
+  monkeypatch.setitem(_rules.RULES, "tanh", bad)
+  with pytest.raises(ad.RuleError, match=r"splits dim 5 of a rank-2 value"):
+    ad.plan(lambda x: jnp.tanh(x @ W), X, mesh=AbstractMesh((8,), ("data",)))
 
 
 def test_errors_share_one_base_and_keep_their_builtins():
@@ -47,7 +73,7 @@ def test_a_failing_rule_is_an_internal_error_naming_the_primitive(
   def broken(ins, outs, params):
     raise IndexError("tuple index out of range")
 
-  monkeypatch.setitem(_rules.RULES, "tanh", broken)
+  monkeypatch.setitem(_rules.RULES, "tanh", _rules.Rule(broken))
   with pytest.raises(ad.RuleError,
                      match=r"rule of 'tanh' failed on \(float32\[8, 32\]\)"
                            r": IndexError"):
@@ -77,7 +103,7 @@ def test_plan_fields_and_explain():
       math.prod(a.shape) * a.dtype.itemsize / math.prod(
           plan.mesh_info.axis_sizes[i] for i, code in enumerate(
               plan.problem.cands[o][plan.choice[o]][0]) if code >= 0)
-      for o, a in zip(plan.graph.input_ops, plan._traced.in_avals))
+      for o, a in zip(plan.graph.input_ops, plan.traced.in_avals))
   assert mem["arguments"] == pytest.approx(arg_bytes)
   cats = plan.memory_by_category()
   assert sum(cats.values()) == pytest.approx(c.memory_bytes)
@@ -140,7 +166,7 @@ def test_non_array_leaves_are_handled():
   ids = jnp.arange(8, dtype=jnp.int32)
   args = (params, X, 0.1, jax.random.key(0), None, ids)
   plan = ad.plan(step, *args, mesh=make_mesh((8,)), cluster=TEST_CLUSTER)
-  names = plan._traced.in_names
+  names = plan.traced.in_names
   specs = dict(zip(names, (s.spec for s in jax.tree.leaves(
       plan.in_shardings))))
   assert specs["[2]"] == P() and specs["[3]"] == P()  # scalar, PRNG key
@@ -220,9 +246,9 @@ def test_cost_of_scores_hand_plans_and_checks_them():
 def test_reshard_rows_name_the_collectives_of_the_costed_path():
   """A joint (P, P) -> (B, B) is one all-reduce over both axes -- as XLA
   emits it and verify() counts it -- not "all-reduce+all-reduce"."""
-  from autoddl_jax._api import _collective_names
+  from autoddl_jax._report import collective_names as _collective_names
   from autoddl_jax._cluster import mesh_info
-  from autoddl_jax._cost import state_space
+  from autoddl_jax._states import state_space
   from autoddl_jax._sbp import B_CODE, P_CODE
   mi = mesh_info(AbstractMesh((2, 4), ("a", "b")), TEST_CLUSTER)
   space = state_space((64, 64), 4, mi)
@@ -231,3 +257,16 @@ def test_reshard_rows_name_the_collectives_of_the_costed_path():
   assert _collective_names((P_CODE, 0), (B_CODE, B_CODE), space,
                            mi) == "all-reduce+all-gather"
   assert _collective_names((0, B_CODE), (0, B_CODE), space, mi) == "local"
+
+
+def test_explain_says_why_a_plan_is_replicated():
+  # Links so slow that no split pays: the plan replicates everything and
+  # explain() says why, beside the cluster it was made for.
+  slow = ad.Cluster(devices_per_node=8, intra_node_bandwidth=1e3,
+                    inter_node_bandwidth=1e3)
+  plan = ad.plan(lambda w, x: jnp.sum(jnp.tanh(x @ w)), W, X,
+                 mesh=AbstractMesh((8,), ("data",)), cluster=slow)
+  assert all(c < 0 for s in plan.in_sbps for c in s.codes)
+  text = plan.explain()
+  assert "every argument is replicated" in text
+  assert "made for: 8 devices per node, 1e-06 GB/s inside a node" in text

@@ -15,7 +15,7 @@ import pytest
 
 import autoddl_jax as ad
 from autoddl_jax import _remat
-from autoddl_jax._api import TEXTBOOK
+from autoddl_jax._seeds import TEXTBOOK
 from conftest import TEST_CLUSTER
 from helpers import make_mesh, rel_err
 
@@ -102,7 +102,7 @@ def test_remat_plan_computes_the_unsharded_step(policy, opt):
   want = jax.jit(step)(*args)
   base = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER, remat="none")
   p = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER, remat=policy)
-  assert p.remat == policy and _remat.has_checkpoint(p._traced.closed.jaxpr)
+  assert p.remat == policy and _remat.has_checkpoint(p.traced.closed.jaxpr)
   compiled = p.jit().lower(*args).compile()
   _assert_step_equal(compiled(*args), want)
   # What XLA compiled for it: the recomputed forward (more FLOPs) and the
@@ -169,8 +169,8 @@ def test_remat_of_unrolled_blocks_computes_the_unsharded_step(policy, opt):
   want = jax.jit(step)(*args)
   base = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER, remat="none")
   p = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER, remat=policy)
-  assert p.remat == policy and _remat.has_checkpoint(p._traced.closed.jaxpr)
-  assert not _remat.has_checkpoint(base._traced.closed.jaxpr)
+  assert p.remat == policy and _remat.has_checkpoint(p.traced.closed.jaxpr)
+  assert not _remat.has_checkpoint(base.traced.closed.jaxpr)
   _assert_step_equal(p.jit()(*args), want)
   v, v0 = p.verify(), base.verify()
   # XLA recomputes what the model says it does (on CPU only with the
@@ -217,7 +217,7 @@ def test_remat_policies_one_per_scan_and_bad_names():
   p = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
               remat=["nothing_saveable"])
   assert p.remat == ("nothing_saveable",)
-  assert _remat.has_checkpoint(p._traced.closed.jaxpr)
+  assert _remat.has_checkpoint(p.traced.closed.jaxpr)
   with pytest.raises(ValueError, match="remat policy 'everything'"):
     ad.plan(step, *args, mesh=mesh, remat="everything")
 
@@ -231,7 +231,7 @@ def test_remat_plan_saves_and_loads(tmp_path):
   q = ad.load_plan(tmp_path / "plan.json", step, *args, mesh=mesh,
                    cluster=TEST_CLUSTER)
   assert q.remat == "dots_saveable" and q.choice == p.choice
-  assert _remat.has_checkpoint(q._traced.closed.jaxpr)
+  assert _remat.has_checkpoint(q.traced.closed.jaxpr)
 
 
 def test_the_default_budget_is_the_clusters_memory(monkeypatch):
@@ -318,7 +318,7 @@ def test_under_a_budget_the_search_frees_moments_from_parameters():
   mesh = make_mesh((8,), explicit=False)
   tied = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
                  memory_budget=float("inf"))
-  zero = tied.problem.zero
+  zero = tied.program.zero
   # A moment is its own coordinate there (tied to its result and to the
   # other moment of the same parameter only), and the ZeRO layout is one of
   # the seeds the budgeted search starts from.

@@ -5,8 +5,9 @@ from jax.sharding import AbstractMesh
 
 import autoddl_jax as ad
 from autoddl_jax._cluster import mesh_info
-from autoddl_jax._cost import (one_axis, state_space, transition,
-                               transition_steps, valid_states)
+from autoddl_jax._cost import one_axis, transition, transition_steps
+from autoddl_jax._cost import valid_states
+from autoddl_jax._states import state_space
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
 A, BW, N, PP = 2e-6, 1e9, 4096.0, 4

@@ -48,3 +48,15 @@ def test_cli_errors_are_clear(tmp_path):
   r = _run("-m", "autoddl_jax", "plan", "examples/mlp.py:nope", "--mesh",
            "data=8")
   assert r.returncode != 0 and "has no function 'nope'" in r.stderr
+
+
+def test_readme_cli_example_shards_and_module_form_works():
+  # The README's command: GPT-2 medium's shape on 128 devices must come out
+  # sharded (a replicated plan would say why, but this one should not be).
+  r = _run("-m", "autoddl_jax", "plan", "examples.gpt:example_large",
+           "--mesh", "data=16,model=8", "--rows", "12")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "every argument is replicated" not in r.stdout
+  assert "P(None, None, 'model')" in r.stdout, r.stdout[-3000:]
+  assert "made for: 8 devices per node" in r.stdout
+  assert "read by" in r.stdout and "times/step" in r.stdout

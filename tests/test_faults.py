@@ -15,7 +15,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autoddl_jax as ad
-from autoddl_jax import models
+from autoddl_jax.testing import models
 from conftest import TEST_CLUSTER
 from helpers import NnxMlp, assert_tree_close, make_mesh, rel_err
 

@@ -6,8 +6,10 @@ import optax
 import pytest
 
 import autoddl_jax as ad
-from autoddl_jax._graph import INLINE, build_graph, eqn_flops
-from autoddl_jax._rules import Aval
+from autoddl_jax._factors import Aval
+from autoddl_jax._graph import build_graph
+from autoddl_jax._jaxpr import INLINE
+from autoddl_jax._rules import eqn_flops
 from conftest import TEST_CLUSTER
 from helpers import build, make_mesh, rel_err
 
@@ -131,3 +133,38 @@ def test_unsupported_primitive_falls_back_to_replicated_with_one_warning():
   assert len([m for m in w if "cholesky" in str(m.message)]) == 1
   assert rel_err(plan.jit()(a, x), f(a, x)) < 1e-5
   assert "cholesky" in plan.explain()
+
+
+def test_graph_and_jaxpr_walk_share_equation_addresses():
+  # The lowering finds the plan's ops by address (``graph.eqn_op``); the
+  # addresses come from one scheme (``_jaxpr.bodies``): every equation the
+  # walk yields is an op of the graph under the same address.
+  from autoddl_jax._jaxpr import equations
+
+  @jax.custom_jvp
+  def soft(x):
+    return jnp.tanh(x)
+
+  soft.defjvp(lambda p, t: (soft(p[0]), t[0] * (1 - jnp.tanh(p[0]) ** 2)))
+
+  def f(w, x):
+    def layer(h, wi):
+      return jax.jit(lambda a, b: soft(a @ b))(h, wi), jnp.sum(h)
+    h, _ = jax.lax.scan(layer, x, w)
+    h = jax.lax.cond(h.sum() > 0, lambda a: a * 2.0, lambda a: -a, h)
+    return jnp.sum(h)
+
+  def g(w, x):  # a forward with a while loop (reverse mode cannot take it)
+    return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 1.5,
+                                                            c[1] + 1),
+                              (f(w, x), 0))[0]
+
+  w = jnp.ones((3, 8, 8))
+  x = jnp.ones((4, 8))
+  closed = jax.make_jaxpr(lambda w, x: (jax.grad(f)(w, x), g(w, x)))(w, x)
+  graph = build_graph(closed, ["w", "x"], ["dw", "y"])
+  addresses = [a for a, _ in equations(closed.jaxpr)]
+  assert len(addresses) == len(set(addresses))
+  assert set(addresses) == set(graph.eqn_op)
+  assert any(len(a) >= 3 for a in addresses)  # bodies inside bodies
+  assert any("body" in a for a in addresses)

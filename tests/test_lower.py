@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autoddl_jax as ad
-from autoddl_jax import _hlo
+from autoddl_jax import _hlo, _pins
 from helpers import make_mesh, rel_err
 
 CLUSTER = ad.Cluster(devices_per_node=8, intra_node_bandwidth=1e9,
@@ -36,8 +36,8 @@ def test_a_partial_sum_is_reduced_after_the_linear_ops_that_carry_it():
   x, w = _args()
   plan = ad.hand_plan(_grouped_heads, x, w, mesh=mesh, cluster=CLUSTER,
                       in_shardings=(P(None, None, "data"), P("data", None)))
-  regions = set(map(id, plan._regions().values()))  # noqa: SLF001
-  assert any(len(r.members) >= 4 for r in plan._regions().values()), regions
+  regions = set(map(id, _pins.regions(plan.program, plan.choice).values()))  # noqa: SLF001
+  assert any(len(r.members) >= 4 for r in _pins.regions(plan.program, plan.choice).values()), regions
   compiled = plan.jit().lower(x, w).compile()
   got = compiled(x, w)
   assert rel_err(got, jax.jit(_grouped_heads)(x, w)) <= 1e-5
@@ -67,8 +67,8 @@ def test_a_loop_result_is_pinned_to_the_layout_the_plan_gave_it():
   ws = jax.random.normal(jax.random.key(2), (3, 32, 32), jnp.float32) / 6
   step = jax.grad(_scanned, argnums=(0, 1))
   plan = ad.plan(step, x, ws, mesh=mesh, cluster=CLUSTER)
-  pins = plan._pins(plan._auto_mesh())  # noqa: SLF001
-  closed = plan._traced.closed  # noqa: SLF001
+  pins = _pins.pins(plan.program, plan.choice, plan.program.auto_mesh())
+  closed = plan.traced.closed  # noqa: SLF001
   loops = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
   assert loops
   for e in loops:
@@ -89,7 +89,7 @@ def test_a_partial_sum_is_handed_between_regions_stacked():
   # per device on a leading dim, and is reduced once, at the end.
   from jax.sharding import NamedSharding
 
-  from autoddl_jax import _lower
+  from autoddl_jax import _lower, _regions
   from autoddl_jax._cluster import mesh_info
   mesh = make_mesh((8,), explicit=False)
   x = jax.random.normal(jax.random.key(4), (4, 64), jnp.float32)
@@ -99,12 +99,12 @@ def test_a_partial_sum_is_handed_between_regions_stacked():
   assert [e.primitive.name for e in closed.jaxpr.eqns] == ["dot_general",
                                                            "mul"]
   P_, B_ = -2, -1
-  first = _lower.Region(((0,),), {((0,), 0): (1,), ((0,), 1): (0,)},
+  first = _regions.Region(((0,),), {((0,), 0): (1,), ((0,), 1): (0,)},
                         {((0,), 0): (P_,)}, {},
                         stacked_out={((0,), 0): (P_,)})
-  steps, spec = _lower.reductions((P_,), (B_,), 4 * 16 * 4, (4, 16),
+  steps, spec = _regions.reductions((P_,), (B_,), 4 * 16 * 4, (4, 16),
                                   mesh_info(mesh, ad.Cluster()))
-  second = _lower.Region(((1,),), {}, {((1,), 0): (P_,)},
+  second = _regions.Region(((1,),), {}, {((1,), 0): (P_,)},
                          {((1,), 0): (steps, spec)},
                          stacked_in={((1,), 0): (P_,)})
   pins = _lower.Pins(mesh, {}, {}, {}, {(0,): first, (1,): second})
@@ -139,8 +139,8 @@ def test_a_partial_sum_is_scattered_into_the_table_before_it_is_reduced():
   plan = ad.hand_plan(_embedding_grad, table, ids, w, mesh=mesh,
                       cluster=CLUSTER,
                       in_shardings=(P(), P(), P(None, "data")))
-  regions = {id(r): r for r in plan._regions().values()}  # noqa: SLF001
-  eqns = plan._traced.closed.jaxpr.eqns  # noqa: SLF001
+  regions = {id(r): r for r in _pins.regions(plan.program, plan.choice).values()}  # noqa: SLF001
+  eqns = plan.traced.closed.jaxpr.eqns  # noqa: SLF001
   held = {eqns[k[-1]].primitive.name for r in regions.values()
           for k in r.members if len(k) == 1}
   assert "scatter-add" in held, held

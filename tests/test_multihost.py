@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import autoddl_jax as ad
-from autoddl_jax import models
+from autoddl_jax.testing import models
 from autoddl_jax.launch import free_port
 from helpers import make_mesh, rel_err
 

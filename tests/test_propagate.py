@@ -27,9 +27,9 @@ def _user_dp(case, plan, mesh):
   names = plan.mesh_info.axis_names
   specs = [codes_to_spec(plan.problem.cands[o][choice[o]][0], len(a.shape),
                          names)
-           for o, a in zip(plan.graph.input_ops, plan._traced.in_avals)]
+           for o, a in zip(plan.graph.input_ops, plan.traced.in_avals)]
   shardings = jax.tree_util.tree_unflatten(
-      plan._traced.in_tree, [NamedSharding(mesh, s) for s in specs])
+      plan.traced.in_tree, [NamedSharding(mesh, s) for s in specs])
   args = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       case.args, shardings)

@@ -23,8 +23,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jax._src.lax import lax as _lax_internal  # eq_to/le_to/lt_to
 
 from autoddl_jax import _hlo, _rules
-from autoddl_jax._graph import INLINE, _aval, _sub_jaxpr
-from autoddl_jax._lower import _bind
+from autoddl_jax._jaxpr import INLINE, bodies, to_aval
+from autoddl_jax._lower import bind_eqn
 from autoddl_jax._sbp import B_CODE, P_CODE
 
 rng = np.random.default_rng(0)
@@ -139,11 +139,11 @@ def _walk(prog, jaxpr, consts, args):
            for v in eqn.invars]
     name = eqn.primitive.name
     if name in INLINE:
-      sub, sub_consts = _sub_jaxpr(eqn.params)
+      [(_, sub, sub_consts)] = bodies(eqn, ())
       outs = yield from _walk(prog, sub, sub_consts,
                               ins[len(ins) - len(sub.invars):])
     else:
-      outs = _bind(eqn, ins)
+      outs = bind_eqn(eqn, ins)
       outs = outs if eqn.primitive.multiple_results else [outs]
       if name in _rules.RULES:
         yield f"{prog}-{i}-{name}", eqn, ins, outs
@@ -201,7 +201,7 @@ def _check_xla(eqn, ins, outs, sig):
     full = list(ins)
     for j, x in zip(var_pos, xs):
       full[j] = x
-    r = _bind(eqn, full)
+    r = bind_eqn(eqn, full)
     return list(r) if eqn.primitive.multiple_results else [r]
 
   in_sh = [NamedSharding(MESH, _spec(sig[0][j], np.ndim(ins[j])))
@@ -236,7 +236,7 @@ def _check_local(eqn, ins, outs, sig):
         local.append(np.split(np.asarray(x), 2, axis=code)[dev])
       else:
         local.append(x)
-    r = _bind(eqn, local)
+    r = bind_eqn(eqn, local)
     pieces.append(list(r) if eqn.primitive.multiple_results else [r])
   for k, (code, want) in enumerate(zip(sig[1], outs)):
     got = [np.asarray(p[k]) for p in pieces]
@@ -253,8 +253,8 @@ def test_partial_sums_never_reach_integer_or_index_operands():
   """P on an index or a predicate would sum positions: never allowed."""
   for name, eqn, ins, outs in CASES:
     sigs = _rules.signatures(eqn.primitive.name,
-                             [_aval(v.aval) for v in eqn.invars],
-                             [_aval(v.aval) for v in eqn.outvars], eqn.params)
+                             [to_aval(v.aval) for v in eqn.invars],
+                             [to_aval(v.aval) for v in eqn.outvars], eqn.params)
     for sig in sigs:
       for code, v in zip(sig[0], eqn.invars):
         if code == P_CODE:
@@ -265,8 +265,8 @@ def test_partial_sums_never_reach_integer_or_index_operands():
 @pytest.mark.parametrize("name,eqn,ins,outs", CASES, ids=[c[0] for c in CASES])
 def test_every_signature_is_correct(name, eqn, ins, outs):
   sigs = _rules.signatures(eqn.primitive.name,
-                           [_aval(v.aval) for v in eqn.invars],
-                           [_aval(v.aval) for v in eqn.outvars], eqn.params)
+                           [to_aval(v.aval) for v in eqn.invars],
+                           [to_aval(v.aval) for v in eqn.outvars], eqn.params)
   assert sigs and all(c == B_CODE for c in sigs[0][0] + sigs[0][1])
   literal = [isinstance(v, jcore.Literal) for v in eqn.invars]
   checked = 0

@@ -9,9 +9,9 @@ from autoddl_jax._sbp import codes_to_spec, spec_to_codes
 
 
 def test_values_are_frozen_hashable_and_print_like_the_paper():
-  assert repr(ad.S(1)) == "S(1)" and repr(ad.B) == "B" and repr(ad.P) == "P"
-  assert len({ad.S(0), ad.S(0), ad.B}) == 2
-  nd = ad.NdSbp((ad.S(0), ad.B))
+  assert repr(ad.sbp.S(1)) == "S(1)" and repr(ad.sbp.B) == "B" and repr(ad.sbp.P) == "P"
+  assert len({ad.sbp.S(0), ad.sbp.S(0), ad.sbp.B}) == 2
+  nd = ad.sbp.NdSbp((ad.sbp.S(0), ad.sbp.B))
   assert repr(nd) == "(S(0), B)"
   assert nd == ad.NdSbp.from_codes((0, -1)) and hash(nd) == hash(
       ad.NdSbp.from_codes((0, -1)))
@@ -22,12 +22,12 @@ def test_values_are_frozen_hashable_and_print_like_the_paper():
 @pytest.mark.parametrize("bad", [-1, 1.5, "0"])
 def test_split_needs_a_nonnegative_int_dim(bad):
   with pytest.raises(ValueError, match="non-negative int"):
-    ad.S(bad)
+    ad.sbp.S(bad)
 
 
 def test_ndsbp_rejects_non_sbp_entries():
   with pytest.raises(TypeError, match="S\\(d\\), B or P"):
-    ad.NdSbp(("S0",))
+    ad.sbp.NdSbp(("S0",))
 
 
 @pytest.mark.parametrize("codes,rank,spec", [

@@ -5,7 +5,8 @@ import pytest
 import jax
 
 import autoddl_jax as ad
-from autoddl_jax import _search, models
+from autoddl_jax import _search
+from autoddl_jax.testing import models
 from conftest import TEST_CLUSTER
 from helpers import assert_tree_close, build, make_mesh, rel_err
 
@@ -14,7 +15,7 @@ from helpers import assert_tree_close, build, make_mesh, rel_err
     ("mlp", (8,)), ("mlp", (2, 4)), ("mlp", (4, 2)), ("moe", (8,)),
     ("moe", (2, 4)), ("vgg", (2, 4)), ("gpt_scan", (8,)),
     ("gpt_unrolled", (2, 4))])
-def test_coordinate_descent_is_within_2_percent_of_the_optimum(model, shape):
+def test_the_search_is_within_2_percent_of_the_optimum(model, shape):
   ex = build(model, abstract=True)
   plan = ad.plan(ex.step, *ex.args, mesh=make_mesh(shape),
                  cluster=TEST_CLUSTER)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import autoddl_jax as ad
 from autoddl_jax import _hlo
-from autoddl_jax._api import TEXTBOOK
+from autoddl_jax._seeds import TEXTBOOK
 from autoddl_jax._select import compiler_options, select
 from autoddl_jax._verify import (REMAT_WARNING, CompiledScore, compile_log,
                                  compile_plan)
@@ -34,7 +34,7 @@ def _selected(name: str, shape: tuple[int, ...]) -> tuple[zoo.Case, ad.Plan]:
   case = zoo.build(name, abstract=True)
   plan = ad.plan(case.step, *case.args, mesh=make_mesh(shape, explicit=False),
                  cluster=TEST_CLUSTER, select="compiled",
-                 select_seconds=600)
+                 select_s=600)
   return case, plan
 
 
@@ -93,7 +93,7 @@ def test_a_boundary_lowering_computes_the_unsharded_step():
   want = jax.jit(case.step)(*case.args)
   plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=TEST_CLUSTER,
                  select="model")
-  for p in (plan._variant(plan.choice, "boundary", "search"),  # noqa: SLF001
+  for p in (plan.variant(plan.choice, "boundary", "search"),  # noqa: SLF001
             plan.textbook("fsdp_tp")):
     assert p.lowering == "boundary"
     got = p.jit()(*case.args)
@@ -109,7 +109,7 @@ def test_a_budget_rules_out_what_does_not_fit_by_memory_analysis():
   plan = ad.plan(case.step, *case.args, mesh=make_mesh((2, 4),
                                                        explicit=False),
                  cluster=TEST_CLUSTER, select="compiled",
-                 memory_budget=budget, select_seconds=600, alternatives=0)
+                 memory_budget=budget, select_s=600, alternatives=0)
   sel = plan.selection
   won = sel.candidates[sel.winner]
   assert won.fits and won.compiled.memory_bytes <= budget
@@ -131,8 +131,8 @@ def test_selection_is_by_the_model_where_nothing_can_be_compiled():
   mesh = make_mesh((2, 4))
   with pytest.raises(ValueError, match="select must be 'compiled' or"):
     ad.plan(case.step, *case.args, mesh=mesh, select="xla")
-  with pytest.raises(ValueError, match="select_seconds must be a number"):
-    ad.plan(case.step, *case.args, mesh=mesh, select_seconds=-1)
+  with pytest.raises(ValueError, match="select_s must be a number"):
+    ad.plan(case.step, *case.args, mesh=mesh, select_s=-1)
   with pytest.raises(ValueError, match="alternatives must be an int"):
     ad.plan(case.step, *case.args, mesh=mesh, alternatives=1.5)
 
@@ -141,7 +141,7 @@ def test_out_of_time_candidates_are_reported_not_compiled(monkeypatch):
   monkeypatch.delenv("AUTODDL_JAX_SELECT")  # the default: compiled
   case = zoo.build("mixer", abstract=True)
   plan = ad.plan(case.step, *case.args, mesh=make_mesh((2, 4)),
-                 cluster=TEST_CLUSTER, select_seconds=0)
+                 cluster=TEST_CLUSTER, select_s=0)
   sel = plan.selection
   assert sel.mode == "compiled" and sel.winner == 0  # only the first ran
   assert sel.candidates[0].compiled is not None
@@ -149,7 +149,7 @@ def test_out_of_time_candidates_are_reported_not_compiled(monkeypatch):
   # it was).
   assert all(c.skipped and (c.compiled is None or c.skipped.startswith(
       "same program")) for c in sel.candidates[1:])
-  assert any("select_seconds=0 spent" in c.skipped
+  assert any("select_s=0 spent" in c.skipped
              for c in sel.candidates[1:])
 
 
@@ -173,7 +173,7 @@ def test_a_budget_nothing_fits_names_the_compiled_peak_too():
       r"the smallest compiled candidate needs")):
     ad.plan(case.step, *case.args, mesh=make_mesh((2, 4)),
             cluster=TEST_CLUSTER, memory_budget=1024, select="compiled",
-            select_seconds=0)
+            select_s=0)
 
 
 # --------------------------------------------- "Involuntary full remat"
@@ -198,7 +198,7 @@ def _exit_reshard_plan(rows: int) -> ad.Plan:
 
 def test_the_compile_log_is_read_and_passed_on(capfd):
   plan = _exit_reshard_plan(8)
-  mesh = plan._auto_mesh()  # noqa: SLF001
+  mesh = plan.program.auto_mesh()  # noqa: SLF001
   for lowering, remats in (("boundary", 1), ("pinned", 0)):
     with compile_log() as log:
       compiled, _ = compile_plan(plan, lowering == "pinned")
@@ -270,7 +270,7 @@ def test_a_scanned_gpt_leaves_its_layer_loop_without_a_full_remat():
   # scan handed its activations from an 8-way batch split to the layout
   # after the loop in one constraint, and XLA replicated them to get there.
   # Two layers at GPT-12's width (the tiny zoo never hit this).
-  from autoddl_jax import models
+  from autoddl_jax.testing import models
   ex = models.gpt(models.GptConfig(vocab=32768, d_model=768, n_heads=12,
                                    n_layers=2, seq=1024, batch=32,
                                    scan=True), abstract=True)
@@ -317,7 +317,7 @@ def test_a_plan_over_the_budget_by_memory_analysis_is_searched_again(
   case = zoo.build("mixer", abstract=True)
   mesh = make_mesh((8,), explicit=False)
   free = ad.plan(case.step, *case.args, mesh=mesh, cluster=TEST_CLUSTER,
-                 select="compiled", alternatives=0, select_seconds=600)
+                 select="compiled", alternatives=0, select_s=600)
   dp_peak = next(c.compiled.memory_bytes for c in free.selection.candidates
                  if c.name == "search")
   true_peak = Problem.peak_memory
@@ -326,7 +326,7 @@ def test_a_plan_over_the_budget_by_memory_analysis_is_searched_again(
   budget = 0.6 * dp_peak
   plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=TEST_CLUSTER,
                  select="compiled", memory_budget=budget, alternatives=0,
-                 select_seconds=600)
+                 select_s=600)
   sel = plan.selection
   names = [c.name for c in sel.candidates]
   assert sel.candidates[0].fits is False  # the model had it under

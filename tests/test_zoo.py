@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 
 import autoddl_jax as ad
 from autoddl_jax import _hlo, _rules
-from autoddl_jax._graph import INLINE
+from autoddl_jax._jaxpr import INLINE
 from conftest import TEST_CLUSTER
 from helpers import make_mesh, rel_err
 

@@ -1,0 +1,204 @@
+"""From a program to the plan :func:`autoddl_jax.plan` returns.
+
+:func:`search_plan` seeds and searches one program (and fits a budget by the
+model); :class:`Variants` holds the programs a budget may call for (the step
+as written, and with its layer stacks and repeated blocks rematerialised)
+and fits them all; :func:`select_compiled` compiles the candidates -- the
+search's plan pinned and by its boundary, other starts' plans, the textbook
+plans as a user writes them -- and keeps the one whose compiled program is
+fastest within the budget (:mod:`autoddl_jax._select`), searching again
+under a scaled budget where XLA's memory says the model was short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from jax.sharding import Mesh
+
+from autoddl_jax import _program, _remat, _search, _seeds, _select
+from autoddl_jax._budget import NoFit, fit_budget, propagated
+from autoddl_jax._cluster import format_bytes
+from autoddl_jax._plan import Plan
+from autoddl_jax._program import Program
+
+SELECT_ENV = "AUTODDL_JAX_SELECT"  # the default of plan(select=...)
+SELECT_SECONDS = 120.0
+
+
+def search_plan(program: Program, budget: float | None, verbose: bool,
+                t0: float, zero: bool = False, beat: float = math.inf
+                ) -> tuple[Plan, NoFit | None, float]:
+  """Search ``program`` and fit the budget by the model: (the plan, why
+  nothing fits the budget or None, the peak of the best plan without the
+  budget). ``zero``: the optimizer moments' layouts are free of their
+  parameters' (weight-update sharding). ``beat``: the time of a plan that
+  fits already; where the best plan here without the budget is no faster,
+  fitting it cannot win and is skipped."""
+  if zero:
+    program = program.weight_update_sharded()
+  prob, graph, mi, remat = (program.problem, program.graph,
+                            program.mesh_info, program.remat)
+  seeds = _seeds.seeds(program, zero=zero)
+  program.memo.setdefault("seeds", {}).update(seeds)
+  user = _seeds.user(program)
+  if user:
+    seeds = {_seeds.Kind.USER.value: user, **seeds}
+  progress = None
+  if verbose:
+    what = "" if remat == _remat.NONE else f", layer stacks remat {remat}"
+    what += ", moments free of their parameters" if zero else ""
+    print(f"[autoddl_jax] planning {len(graph.ops)} ops, "
+          f"{len(prob.groups)} coordinates, {len(seeds)} seeds on "
+          f"{dict(zip(mi.axis_names, mi.axis_sizes))}{what}",
+          file=sys.stderr, flush=True)
+    progress = lambda seed, sweep, obj: print(  # noqa: E731
+        f"[autoddl_jax] start {seed:>10}  sweep {sweep:>3}  best "
+        f"{obj * 1e3:.6g} ms", file=sys.stderr, flush=True)
+  res = propagated(prob, seeds, _search.search(
+      prob, seeds, progress=progress, polish=getattr(prob, "untied", None)))
+  choice = res.choice
+  free_peak = prob.peak_memory(choice)
+  over = None  # why no plan fits the budget by the model, if none does
+  if budget is not None and free_peak > budget and \
+      prob.evaluate(choice).time_s >= beat:
+    over = NoFit("slower than a plan that fits, without the budget", res)
+  elif budget is not None:
+    try:
+      choice, res = fit_budget(prob, seeds, res, float(budget), progress)
+    except NoFit as e:
+      # The model's memory is an estimate: the compiled programs decide.
+      over, choice, res = e, e.result.choice, e.result
+  best = Plan(program, choice, search=res,
+              search_s=time.perf_counter() - t0, memory_budget=budget)
+  return best, over, free_peak
+
+
+class Variants:
+  """The programs a budget may call for -- the step as written, and traced
+  again with its layer stacks and repeated blocks rematerialised (each
+  policy of ``_remat.AUTO`` where ``may_remat``) -- each traced once, and
+  :meth:`fit`, which searches them all under a budget with weight-update
+  sharding free: the fastest plan that fits by the model, else the
+  smallest. :func:`plan` fits the budget with it, and selection fits it
+  again, under the budget scaled by the model's error on a compiled
+  plan."""
+
+  def __init__(self, fn, args, mesh, cluster, verbose: bool,
+               program: Program, may_remat: bool):
+    self.fn, self.args, self.mesh, self.cluster = fn, args, mesh, cluster
+    self.verbose, self.policy = verbose, program.remat
+    self.programs = {program.remat: program}
+    self.policies = [program.remat] + (list(_remat.AUTO) if may_remat
+                                       else [])
+    self.remats = False  # a remat variant was searched
+
+  def fit(self, budget: float) -> tuple[Plan, NoFit | None, list]:
+    options, beat = [], math.inf
+    for pol in self.policies:
+      program = self.programs.get(pol)
+      if program is None:
+        program = self.programs[pol] = _program.build(
+            self.fn, self.args, self.mesh, self.cluster, remat=pol)
+      if pol != self.policy:
+        if not _remat.has_checkpoint(program.traced.closed.jaxpr):
+          break  # no layer stack nor repeated block: nothing to recompute
+        self.remats = True
+      p, o = search_plan(program, budget, self.verbose, time.perf_counter(),
+                         zero=True, beat=beat)[:2]
+      options.append((p, o))
+      if o is None:
+        beat = min(beat, p.cost.time_s)
+    fits = [i for i, (_, o) in enumerate(options) if o is None]
+    pick = (min(fits, key=lambda i: options[i][0].cost.time_s) if fits else
+            min(range(len(options)),
+                key=lambda i: options[i][0].cost.memory_bytes))
+    return (*options[pick], options)
+
+
+def select_mode(select: str | None, mesh) -> str:
+  concrete = isinstance(mesh, Mesh)
+  if select is None:
+    env = os.environ.get(SELECT_ENV)
+    if env not in (None, "", "compiled", "model"):
+      raise ValueError(f"{SELECT_ENV}={env!r}: use 'compiled' or 'model'")
+    select = env or ("compiled" if concrete else "model")
+    if not concrete:
+      select = "model"
+  if select not in ("compiled", "model"):
+    raise ValueError(f"select must be 'compiled' or 'model', got {select!r}")
+  if select == "compiled" and not concrete:
+    raise ValueError(
+        "select='compiled' needs a concrete jax.sharding.Mesh to compile "
+        "for; this mesh is abstract. Plan with select='model' (the default "
+        "for an abstract mesh), or pass a Mesh of devices (jax.make_mesh).")
+  return select
+
+
+def select_compiled(best: Plan, budget: float | None, seconds: float,
+                     alternatives: int, verbose: bool,
+                     base: Plan | None = None, *,
+                     refit: Callable[[float], Plan]) -> Plan:
+  """:func:`plan`'s ``select="compiled"``: the candidates, compiled, and
+  the winner with its :class:`Selection`. ``base`` is the plan of the step
+  as written where ``best`` is of a remat variant: the textbook plans are
+  written on it, and it is a candidate too (``"search:no-remat"``).
+  ``refit(target)``: the plan for a budget of ``target`` by the model
+  (:meth:`Variants.fit`)."""
+  base = best if base is None else base
+  cands = [("search", "pinned", best),
+           ("search", "boundary",
+            best.variant(best.choice, "boundary", "search"))]
+  if base is not best:
+    cands.append(("search:no-remat", "pinned", base))
+  cands += [(k, "boundary", base.textbook(k)) for k in _seeds.TEXTBOOK]
+  alts = list(best.search.alternatives.items())[:alternatives] \
+      if best.search is not None else []
+  cands += [(f"search:{start}", "pinned",
+             best.variant(ch, "pinned", f"search:{start}"))
+            for start, ch in alts]
+  progress = None
+  if verbose:
+    progress = lambda msg: print(f"[autoddl_jax] {msg}",  # noqa: E731
+                                 file=sys.stderr, flush=True)
+  key = lambda p, low: p.program_key(low)  # noqa: E731
+  t0 = time.perf_counter()
+  win, sel = _select.select(cands, budget=budget, time_limit=seconds,
+                            key=key, progress=progress)
+  if budget is not None:
+    # The model's memory is an estimate. Where the search's plan is over
+    # the budget by memory_analysis, search again under the budget scaled
+    # by the model's error on that plan (twice at most): a plan the model
+    # puts that much lower is one XLA puts under the budget.
+    last, target = sel.candidates[0], float(budget)
+    for attempt in range(2):
+      if last.fits is not False or not last.predicted_memory or \
+          time.perf_counter() - t0 > seconds:
+        break  # fits; nothing to scale by; select_s spent
+      target *= last.predicted_memory / last.compiled.memory_bytes
+      if progress is not None:
+        progress(f"refit under {format_bytes(target)} by the model")
+      again = refit(target)
+      again = again.replace(lowering="pinned", source="search:refit",
+                            selection=None, memory_budget=budget)
+      if any(key(p, low) == key(again, "pinned") for _, low, p in cands):
+        break  # a plan already compiled
+      name = f"search:refit{attempt + 1}"
+      cands.append((name, "pinned", again))
+      prior = [(key(p, low), c) for (_, low, p), c in
+               zip(cands, sel.candidates)]
+      win, sel = _select.select(
+          [cands[-1]], budget=budget, key=key, progress=progress,
+          time_limit=max(0.0, seconds - (time.perf_counter() - t0)),
+          prior=prior)
+      last = sel.candidates[-1]
+      if last.compiled is None:
+        break
+    sel = dataclasses.replace(sel, compile_s=time.perf_counter() - t0)
+  chosen = best if win is None else cands[win][2]
+  return chosen.replace(selection=sel)
