@@ -3,8 +3,9 @@
 ``jax.make_jaxpr`` gives a ClosedJaxpr. We walk its equations and produce a flat
 :class:`OpGraph`:
 
-* nested ``jit``, ``custom_jvp_call``, ``custom_vjp_call`` and ``remat2`` are
-  opened (their equations join the graph);
+* ``custom_jvp_call``, ``custom_vjp_call`` and ``remat2`` are opened (their
+  equations join the graph; plain nested ``jit`` calls were spliced into
+  their caller when the step was traced, :func:`_jaxpr.inline_plain_calls`);
 * ``scan``, ``cond`` and ``while`` keep their bodies as sub-graphs walked once,
   joined to the outer graph by *link* ops (slice of the stacked ``xs``, the
   loop-carried merge, the stacked ``ys``), and every op of a body carries the

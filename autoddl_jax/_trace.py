@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from autoddl_jax import _remat
+from autoddl_jax._jaxpr import inline_plain_calls
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Traced:
@@ -227,6 +228,8 @@ def trace(fn: Callable, args: tuple,
     raise TypeError(f"tracing {name} with the given example arguments failed: "
                     f"{e}. The arguments must be what {name} is called with.") \
         from e
+  # Plain nested jits join the jaxpr that calls them (see _jaxpr).
+  closed = inline_plain_calls(closed)
   out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
   in_avals = [v.aval for v in closed.jaxpr.invars]
   splittable = []

@@ -168,3 +168,54 @@ def test_graph_and_jaxpr_walk_share_equation_addresses():
   assert set(addresses) == set(graph.eqn_op)
   assert any(len(a) >= 3 for a in addresses)  # bodies inside bodies
   assert any("body" in a for a in addresses)
+
+
+def test_plain_calls_are_spliced_into_their_caller():
+  # jnp's helpers and users' nested jax.jit calls join the jaxpr that calls
+  # them (at any depth, inside loop bodies too): same values, same source
+  # information, no call left -- so a partial-sum region can span them.
+  import numpy as np
+  from jax.extend import core as jcore
+
+  from autoddl_jax._jaxpr import PLAIN_CALLS, bodies, equations
+  from autoddl_jax._jaxpr import inline_plain_calls
+
+  table = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+
+  @jax.jit
+  def helper(x):
+    return x * jnp.asarray(table)[0], 2.0  # a const and a literal result
+
+  def f(w, xs):
+    def body(c, x):
+      y, two = helper(x)
+      z, _ = helper(x * 3.0)  # one traced body, two call sites
+      return c + y.sum() * two + z.sum(), jax.jit(jnp.tanh)(y) + z
+    c, ys = jax.lax.scan(body, 0.0, xs)
+    e = jnp.zeros((4, 3)).at[jnp.array([0, 2])].add(w)  # jnp's jitted scatter
+    return c + ys.sum() + e.sum()
+
+  w = jnp.ones((2, 3))
+  xs = jnp.arange(15.0).reshape(5, 3)
+  closed = jax.make_jaxpr(jax.value_and_grad(f))(w, xs)
+  flat = inline_plain_calls(closed)
+  names = lambda c: [e.primitive.name for _, e in equations(c.jaxpr)]  # noqa
+
+  def calls(jaxpr):  # every call's name, at any depth
+    out = []
+    for e in jaxpr.eqns:
+      out += [e.primitive.name] if e.primitive.name in PLAIN_CALLS else []
+      for _, sub, _ in bodies(e, ()):
+        out += calls(sub)
+    return out
+
+  assert len(calls(closed.jaxpr)) >= 2 and not calls(flat.jaxpr)
+  assert names(closed) == names(flat)  # the same equations, in order
+  jcore.check_jaxpr(flat.jaxpr)  # well-typed, every var bound
+  want = jcore.jaxpr_as_fun(closed)(w, xs)
+  got = jcore.jaxpr_as_fun(flat)(w, xs)
+  for a, b in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  infos = {id(e.source_info) for _, e in equations(closed.jaxpr)}
+  assert all(id(e.source_info) in infos for _, e in equations(flat.jaxpr))
+  assert inline_plain_calls(flat) is flat  # nothing left to splice
