@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 from autoddl_jax import _remat
 from autoddl_jax._cluster import format_bytes
 from autoddl_jax._coords import moments, state_ties
-from autoddl_jax._cost import transition_steps
+from autoddl_jax._cost import split_factor, transition_steps
 from autoddl_jax._sbp import codes_to_spec, nd_repr
 
 if TYPE_CHECKING:  # for annotations only: _plan imports this module
@@ -173,8 +173,7 @@ def explain(plan: Plan, max_rows: int = 40) -> str:
   for name, a, s in zip(plan.traced.user_paths(), plan.traced.in_avals,
                         plan.in_sbps):
     spec = codes_to_spec(s.codes, len(a.shape), mi.axis_names)
-    local = math.prod(a.shape) * itemsize(a) / math.prod(
-        sz for cd, sz in zip(s.codes, mi.axis_sizes) if cd >= 0)
+    local = local_bytes(a, s.codes, mi.axis_sizes)
     rows.append((name, str(tuple(a.shape)), repr(s), str(spec),
                  format_bytes(local)))
   lines.append(table(rows[:max_rows + 1]))
@@ -216,8 +215,7 @@ def memory_by_category(plan: Plan) -> dict[str, float]:
   cats = dict.fromkeys(("parameters", "optimizer state",
                         "batch and other inputs"), 0.0)
   for i, (a, sb) in enumerate(zip(tr.in_avals, plan.in_sbps)):
-    local = math.prod(a.shape) * itemsize(a) / math.prod(
-        sz for cd, sz in zip(sb.codes, mi.axis_sizes) if cd >= 0)
+    local = local_bytes(a, sb.codes, mi.axis_sizes)
     cat = ("optimizer state" if i in moms else "parameters"
            if i in state else "batch and other inputs")
     cats[cat] += local
@@ -266,3 +264,7 @@ def table(rows: Sequence[Sequence[str]]) -> str:
   return "\n".join([fmt(rows[0]), fmt(["-" * w for w in widths])] +
                    [fmt(r) for r in rows[1:]])
 
+
+def local_bytes(aval, codes, sizes) -> float:
+  """Bytes of one device's block of ``aval`` under ``codes``."""
+  return math.prod(aval.shape) * itemsize(aval) / split_factor(codes, sizes)
