@@ -10,6 +10,7 @@ The placements (``S(d)``, ``B``, ``P``) are in :mod:`autoddl_jax.sbp`.
 
 from autoddl_jax import checkpoint as checkpoint
 from autoddl_jax import distributed as distributed
+from autoddl_jax import pipeline as pipeline
 from autoddl_jax import sbp as sbp
 from autoddl_jax._api import cost_of as cost_of
 from autoddl_jax._api import hand_plan as hand_plan
@@ -43,6 +44,6 @@ __all__ = [
     "CompiledScore", "DistributedError", "H100_NODE", "MemoryBudgetError",
     "NdSbp", "Plan", "PlanCost", "PlanFileError", "RuleError", "Selection",
     "UnsupportedPrimitiveWarning", "Verification", "auto_shard", "checkpoint",
-    "collectives", "cost_of", "distributed", "hand_plan", "load_plan", "plan",
-    "sbp",
+    "collectives", "cost_of", "distributed", "hand_plan", "load_plan",
+    "pipeline", "plan", "sbp",
 ]

@@ -17,10 +17,11 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh
 
 from autoddl_jax import _boundary, _budget, _io, _planner, _program, _remat
-from autoddl_jax import _search, _select
+from autoddl_jax import _search, _select, _stages
+from autoddl_jax import pipeline as _pipeline
 from autoddl_jax._cluster import H100_NODE, Cluster, default_budget
 from autoddl_jax._cluster import format_bytes
-from autoddl_jax._errors import MemoryBudgetError
+from autoddl_jax._errors import MemoryBudgetError, PlanFileError
 from autoddl_jax._plan import Plan
 from autoddl_jax._problem import PlanCost
 from autoddl_jax._problem import Problem
@@ -34,7 +35,8 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
          verbose: bool | None = None, select: str | None = None,
          select_s: float = _planner.SELECT_SECONDS,
          alternatives: int = 2,
-         remat: str | Sequence[str] | None = None) -> Plan:
+         remat: str | Sequence[str] | None = None,
+         pipeline: int | None = None) -> Plan:
   """Finds a sharding plan for ``fn(*args)`` on ``mesh``.
 
   Args:
@@ -87,6 +89,16 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       on both; a sequence gives one per scan in the order the step calls
       them (repeated blocks then stay as written); ``"none"`` turns it off.
       A step that already holds a ``jax.checkpoint`` is planned as written.
+    pipeline: pipeline stages for the step's ``ad.pipeline.scan`` layer
+      stacks (:mod:`autoddl_jax.pipeline`). ``None`` (the default): the
+      planner decides -- the step is traced again for each stage count
+      ``S > 1`` that divides a mesh axis and the layer count (over a whole
+      axis, or the major part of a larger one, :mod:`autoddl_jax._stages`)
+      and a few microbatch counts, each planned by the same search and
+      fitted to the budget, and a pipelined plan is returned only where it
+      is faster than the best plan without stages. An int ``S > 1`` forces
+      ``S`` stages (the schedule over which axis, and the microbatches, are
+      still chosen); ``1`` turns pipelining off.
 
   Returns:
     A :class:`Plan`.
@@ -108,6 +120,10 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
                      f"{alternatives!r}")
   if remat is not None:
     remat = _remat.validate(remat)
+  if pipeline is not None and (isinstance(pipeline, bool) or not isinstance(
+      pipeline, int) or pipeline < 1):
+    raise ValueError(f"pipeline must be None (the planner decides), 1 (no "
+                     f"stages) or a stage count > 1, got {pipeline!r}")
   if verbose is None:
     verbose = sys.stderr.isatty()
   cluster = H100_NODE if cluster is None else cluster
@@ -123,6 +139,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       fn, args, mesh, cluster, verbose, program,
       may_remat=remat is None and not _remat.has_checkpoint(
           program.traced.closed.jaxpr))
+  options = [(base, over)]
   if budget is not None and free_peak > budget:
     # It does not fit: shard more, shard the optimizer state apart from the
     # parameters (ZeRO-1/2), recompute a layer's activations in the
@@ -140,6 +157,25 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
                   "repeated block without its own jax.checkpoint to "
                   "rematerialise"))
       over = _budget.NoFit(f"{over} Tried: {tried}.", over.result)
+  calls = _pipeline.calls(program.traced.closed.jaxpr)
+  staged = pipeline != 1 and _stages.options(calls, program.mesh_info,
+                                              pipeline)
+  if pipeline not in (None, 1) and not staged:
+    raise ValueError(f"pipeline={pipeline}: cannot plan {pipeline} stages: "
+                     + _stages.why_none(calls, program.mesh_info, pipeline))
+  if staged:
+    # Pipeline stages: each schedule planned and fitted as the step is;
+    # the fastest that fits wins (forced: among the schedules only).
+    tried = _planner.plan_stages(fn, args, mesh, cluster, verbose, staged,
+                                 [c.batch for c in calls], budget,
+                                 variants.may_remat, policy)
+    if pipeline is None:
+      tried.append((best, over, variants))
+    best, over, variants = min(tried, key=lambda t: (
+        t[1] is not None, t[0].cost.time_s))
+    best = best.replace(search_s=time.perf_counter() - t0)
+    if pipeline is not None:
+      base = best  # forced: no plan without stages is a candidate
   if over is not None and memory_budget is None:
     frac = default_budget(cluster)[1]
     over = _budget.NoFit(f"{over} (The budget is the default: {frac:g} of "
@@ -156,9 +192,10 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     return best.replace(selection=_select.Selection("model", (
         "abstract mesh: no devices to compile for" if not isinstance(
             mesh, Mesh) else "select='model'")))
-  chosen = _planner.select_compiled(best, budget, float(select_s),
-                            alternatives, verbose, base=base,
-                            refit=lambda target: variants.fit(target)[0])
+  chosen = _planner.select_compiled(
+      best, budget, float(select_s), alternatives, verbose, base=base,
+      refit=lambda target: variants.fit(target)[0],
+      textbook=not (pipeline not in (None, 1) and staged))
   sel = chosen.selection
   if budget is not None and (sel.winner is None or not
                              sel.candidates[sel.winner].fits):
@@ -245,8 +282,20 @@ def load_plan(path, fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
   otherwise :class:`autoddl_jax.PlanFileError` says what differs. A
   truncated or corrupted file raises it too.
   """
-  program, data = _io.load(path, lambda remat: _program.build(
-      fn, args, mesh, cluster, remat=remat))
+  def build(remat, schedule):
+    smesh = mesh
+    if schedule is not None and schedule.split_from is not None:
+      mi = _program.mesh_info(mesh, cluster or H100_NODE)
+      if schedule.split_from not in mi.axis_names:
+        raise PlanFileError(f"plan file {path!r} splits mesh axis "
+                            f"{schedule.split_from!r} for pipeline stages; "
+                            f"this mesh has {mi.axis_names}")
+      smesh = _stages.stage_mesh(mesh, mi, mi.axis_names.index(
+          schedule.split_from), schedule.stages)[0]
+    return _program.build(fn, args, smesh, cluster, remat=remat,
+                          schedule=schedule)
+
+  program, data = _io.load(path, build)
   return Plan(program, data["choice"], lowering=data["lowering"],
               source=data["source"])
 

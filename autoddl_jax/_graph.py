@@ -33,7 +33,7 @@ from autoddl_jax._errors import RuleError
 from autoddl_jax._remat import behind_barrier
 from autoddl_jax._factors import Aval, Sig
 from autoddl_jax._jaxpr import INLINE, bodies, to_aval
-from autoddl_jax._opgraph import Op, OpGraph, Tensor
+from autoddl_jax._opgraph import STAGE_SHIFT, Op, OpGraph, Tensor
 from autoddl_jax._rules import eqn_flops
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
@@ -45,8 +45,11 @@ BARRIER_RESHARD_PENALTY = 1e6
 
 
 def _demanded_layout(eqn) -> tuple[Any, tuple[str, ...]] | None:
-  """The (spec, mesh axis names) a ``with_sharding_constraint`` demands, or
-  None (another op, or a constraint with unconstrained dims)."""
+  """The (spec, mesh axis names) a ``with_sharding_constraint`` demands,
+  a stage shift's ``(STAGE_SHIFT, mesh axis, dim)``, or None (another op,
+  or a constraint with unconstrained dims)."""
+  if eqn.primitive.name == STAGE_SHIFT:
+    return STAGE_SHIFT, eqn.params["mesh_axis"], eqn.params["axis"]
   if eqn.primitive.name != "sharding_constraint" or eqn.params.get(
       "unconstrained_dims"):
     return None
@@ -209,7 +212,7 @@ class _Builder:
     for t in ins[nc:nc + ncar]:
       a = self.tensors[t].aval
       merges.append(self.op("~merge", "link", [t, None], [a, a], [a],
-                            _identity_sigs(a.rank, 2), inner_w,
+                            _carry_sigs(a.rank), inner_w,
                             [weight, inner_w]))
     xs_in = []
     for t in ins[nc + ncar:]:
@@ -278,7 +281,7 @@ class _Builder:
     for t in ins[cn + bn:]:
       a = self.tensors[t].aval
       merges.append(self.op("~merge", "link", [t, None], [a, a], [a],
-                            _identity_sigs(a.rank, 2), weight,
+                            _carry_sigs(a.rank), weight,
                             [weight, weight]))
     carry = [m.outs[0] for m in merges]
     (cctx, cj, cconsts), (bctx, bj, bconsts) = bodies(eqn, ctx)
@@ -303,6 +306,15 @@ def _identity_sigs(rank: int, n_in: int = 1) -> list[Sig]:
   sigs = [((B,) * n_in, (B,)), ((P,) * n_in, (P,))]
   sigs += [((d,) * n_in, (d,)) for d in range(rank)]
   return sigs
+
+
+def _carry_sigs(rank: int) -> list[Sig]:
+  """A loop-carried value (a scan's or while's carry): never a partial sum.
+  XLA cannot carry one across iterations; it reduces it in every iteration
+  (measured: a pipeline's stage-weight gradients, accumulated over the
+  ticks, were all-reduced once per tick where a plan keeping them partial
+  reduced them once), so the plan reduces it in the body and pays that."""
+  return [s for s in _identity_sigs(rank, 2) if s[1] != (P,)]
 
 
 def _slice_sigs(inner_rank: int) -> list[Sig]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from autoddl_jax._errors import PlanFileError
 from autoddl_jax._version import __version__
+from autoddl_jax import pipeline
 from autoddl_jax._remat import POLICIES
 from autoddl_jax._select import LOWERINGS
 
@@ -63,6 +64,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
       "source": plan.source,
       "remat": plan.remat if isinstance(plan.remat, str) else
                list(plan.remat),
+      "pipeline": None if plan.schedule is None else
+                  dataclasses.asdict(plan.schedule),
       "arguments": args,
   }
 
@@ -185,17 +188,24 @@ def _schema_problem(data: dict[str, Any]) -> str | None:
   return None
 
 
-def load(path: str | os.PathLike, build: Callable[[str | tuple[str, ...]],
-                                                  Program]
+def load(path: str | os.PathLike, build: Callable[..., Program]
          ) -> tuple[Program, dict[str, Any]]:
-  """Reads a plan file and builds its program (``build(remat)``: the step
-  traced again with the file's remat policy); checks that the file was made
-  for that program, mesh and cluster. Returns (the program, the file's
-  data); raises :class:`PlanFileError` saying what differs."""
+  """Reads a plan file and builds its program (``build(remat, schedule)``:
+  the step traced again with the file's remat policy and pipeline
+  schedule); checks that the file was made for that program, mesh and
+  cluster. Returns (the program, the file's data); raises
+  :class:`PlanFileError` saying what differs."""
   data = read(path)
   remat = data.get("remat", "none")  # files before it: no remat
   remat = remat if isinstance(remat, str) else tuple(remat)
-  program = build(remat)
+  sched = data.get("pipeline")  # files before it: no stages
+  try:
+    sched = None if sched is None else pipeline.Schedule(**sched)
+  except (TypeError, ValueError) as e:
+    raise PlanFileError(f"plan file {os.fspath(path)!r}: its 'pipeline' "
+                        f"entry {data.get('pipeline')!r} is not a schedule: "
+                        f"{e}") from None
+  program = build(remat, sched)
   mi, tr = program.mesh_info, program.traced
   fp = data["fingerprint"]
   want_mesh = dict(zip(mi.axis_names, mi.axis_sizes))

@@ -67,6 +67,11 @@ class Plan:
       lowers (:mod:`autoddl_jax._remat`).
     memory_budget: bytes per device the plan was made to fit (None: no
       constraint).
+    schedule: how the step's ``ad.pipeline.scan`` stacks run
+      (:class:`autoddl_jax.pipeline.Schedule`: stages over a mesh axis,
+      microbatches), or None (as ``lax.scan``) -- part of the program this
+      plan lowers; ``mesh`` is then the mesh it was planned on (the user's,
+      or with an axis split for the stages, :mod:`autoddl_jax._stages`).
   """
 
   program: Program
@@ -117,6 +122,7 @@ class Plan:
   problem = property(lambda self: self.program.problem)
   traced = property(lambda self: self.program.traced)
   remat = property(lambda self: self.program.remat)
+  schedule = property(lambda self: self.program.schedule)
 
   def replace(self, **changes: Any) -> Plan:
     """A copy with ``changes`` (dataclass fields) applied."""
@@ -240,10 +246,10 @@ class Plan:
   def program_key(self, lowering: str):
     """What a candidate compiles to: equal keys, equal programs."""
     if lowering == "pinned":
-      return ("pinned", self.remat, tuple(self.choice))
+      return ("pinned", self.remat, self.schedule, tuple(self.choice))
     leaves = lambda t: tuple(str(x) for x in jax.tree_util.tree_leaves(  # noqa
         t, is_leaf=lambda y: isinstance(y, PartitionSpec)))
-    return ("boundary", self.remat, leaves(self.in_specs),
+    return ("boundary", self.remat, self.schedule, leaves(self.in_specs),
             leaves(self.out_specs))
 
   # -------------------------------------------------------------- explain

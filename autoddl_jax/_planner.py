@@ -91,12 +91,17 @@ class Variants:
 
   def __init__(self, fn, args, mesh, cluster, verbose: bool,
                program: Program, may_remat: bool):
-    self.fn, self.args, self.mesh, self.cluster = fn, args, mesh, cluster
+    self.fn, self.args, self.cluster = fn, args, cluster
+    # The program's own mesh and schedule: a pipelined variant's mesh may
+    # split an axis of the user's (autoddl_jax._stages).
+    self.mesh, self.schedule = program.mesh, program.schedule
+    del mesh
     self.verbose, self.policy = verbose, program.remat
     self.programs = {program.remat: program}
     self.policies = [program.remat] + (list(_remat.AUTO) if may_remat
                                        else [])
     self.remats = False  # a remat variant was searched
+    self.may_remat = may_remat
 
   def fit(self, budget: float) -> tuple[Plan, NoFit | None, list]:
     options, beat = [], math.inf
@@ -104,7 +109,8 @@ class Variants:
       program = self.programs.get(pol)
       if program is None:
         program = self.programs[pol] = _program.build(
-            self.fn, self.args, self.mesh, self.cluster, remat=pol)
+            self.fn, self.args, self.mesh, self.cluster, remat=pol,
+            schedule=self.schedule)
       if pol != self.policy:
         if not _remat.has_checkpoint(program.traced.closed.jaxpr):
           break  # no layer stack nor repeated block: nothing to recompute
@@ -119,6 +125,47 @@ class Variants:
             min(range(len(options)),
                 key=lambda i: options[i][0].cost.memory_bytes))
     return (*options[pick], options)
+
+
+def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
+                budget, may_remat: bool, policy
+                ) -> list[tuple[Plan, NoFit | None, Variants]]:
+  """The plans of the pipeline schedules ``opts`` ((mesh axis, stages),
+  :func:`_stages.options`), each fitted to ``budget`` as :func:`plan`
+  fits the step as written: (plan, why it does not fit or None, its
+  variants). Every schedule is planned with its first microbatch count;
+  the best two of them with the other counts too."""
+  from autoddl_jax import _stages
+  from autoddl_jax.pipeline import Schedule
+  mi = _program.mesh_info(mesh, cluster)
+  rank = lambda t: (t[1] is not None, t[0].cost.time_s)  # noqa: E731
+
+  def one(axis, stages, m):
+    smesh, name = _stages.stage_mesh(mesh, mi, axis, stages)
+    t0 = time.perf_counter()
+    if verbose:
+      print(f"[autoddl_jax] pipeline: {stages} stages over {name!r}, {m} "
+            "microbatches", file=sys.stderr, flush=True)
+    split = None if smesh is mesh else mi.axis_names[axis]
+    program = _program.build(fn, args, smesh, cluster, remat=policy,
+                             schedule=Schedule(stages, m, name, split))
+    p, over, peak = search_plan(program, None, verbose, t0)
+    p = p.replace(memory_budget=budget)
+    variants = Variants(fn, args, smesh, cluster, verbose, program,
+                        may_remat=may_remat)
+    if budget is not None and peak > budget:
+      p, over, _ = variants.fit(budget)
+    return p.replace(search_s=time.perf_counter() - t0), over, variants
+
+  firsts = {}
+  for axis, stages in opts:
+    m = _stages.microbatch_counts(stages, batches)[0]
+    firsts[(axis, stages)] = one(axis, stages, m)
+  out = list(firsts.values())
+  for axis, stages in sorted(firsts, key=lambda k: rank(firsts[k]))[:2]:
+    for m in _stages.microbatch_counts(stages, batches)[1:]:
+      out.append(one(axis, stages, m))
+  return out
 
 
 def select_mode(select: str | None, mesh) -> str:
@@ -143,20 +190,23 @@ def select_mode(select: str | None, mesh) -> str:
 def select_compiled(best: Plan, budget: float | None, seconds: float,
                      alternatives: int, verbose: bool,
                      base: Plan | None = None, *,
-                     refit: Callable[[float], Plan]) -> Plan:
+                     refit: Callable[[float], Plan],
+                     textbook: bool = True) -> Plan:
   """:func:`plan`'s ``select="compiled"``: the candidates, compiled, and
   the winner with its :class:`Selection`. ``base`` is the plan of the step
   as written where ``best`` is of a remat variant: the textbook plans are
   written on it, and it is a candidate too (``"search:no-remat"``).
   ``refit(target)``: the plan for a budget of ``target`` by the model
-  (:meth:`Variants.fit`)."""
+  (:meth:`Variants.fit`). ``textbook=False``: only the search's plans
+  are candidates (a forced pipeline)."""
   base = best if base is None else base
   cands = [("search", "pinned", best),
            ("search", "boundary",
             best.variant(best.choice, "boundary", "search"))]
   if base is not best:
     cands.append(("search:no-remat", "pinned", base))
-  cands += [(k, "boundary", base.textbook(k)) for k in _seeds.TEXTBOOK]
+  if textbook:
+    cands += [(k, "boundary", base.textbook(k)) for k in _seeds.TEXTBOOK]
   alts = list(best.search.alternatives.items())[:alternatives] \
       if best.search is not None else []
   cands += [(f"search:{start}", "pinned",

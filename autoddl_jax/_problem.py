@@ -26,8 +26,9 @@ from autoddl_jax._cluster import Cluster, MeshInfo
 from autoddl_jax._cost import transition_steps
 from autoddl_jax._states import StateSpace, state_space
 from autoddl_jax._opgraph import OpGraph
+from autoddl_jax._op_demands import fixed_codes, op_collectives
 from autoddl_jax._memory import MEMORY_ALIAS_OPS, MemoryModel
-from autoddl_jax._sbp import B_CODE as B, P_CODE, spec_to_codes
+from autoddl_jax._sbp import B_CODE as B, P_CODE
 
 
 
@@ -52,21 +53,6 @@ class PlanCost:
   compute_s: float
   memory_bytes: float  # peak of live tensors under the plan
   comm_s: float = 0.0
-
-
-def _fixed_codes(op, slots, mi: MeshInfo) -> tuple[int, ...] | None:
-  """The nd codes an op's results must have (a user's sharding constraint
-  on the plan's mesh), or None. A constraint on another mesh, or one the
-  mesh cannot lay out, is left to the plan (and to XLA at run time)."""
-  if op.fixed is None:
-    return None
-  spec, axes = op.fixed
-  if tuple(axes) != mi.axis_names:
-    return None
-  try:
-    return spec_to_codes(spec, len(slots[-1].shape), mi.axis_names)
-  except ValueError:
-    return None
 
 
 # Ops a tensor's value must reach for its all-reduce to be on the step's
@@ -112,6 +98,12 @@ class Problem(MemoryModel):
     self.cands: list[list[tuple[tuple[int, ...], ...]]] = []
     self.slot_idx: list[list[np.ndarray | None]] = []
     self.compute: list[np.ndarray] = []
+    # Collectives an op runs itself (a pipeline's stage shift): time and
+    # bytes per candidate; ``node`` (compute + that time) is what the
+    # search charges an op's candidate.
+    self.op_comm: list[np.ndarray] = []
+    self.op_bytes: list[np.ndarray] = []
+    self.node: list[np.ndarray] = []
     self.out_bytes: list[np.ndarray] = []
     # Ops of the same structure (signatures, slot shapes and dtypes, which
     # inputs are literals) have the same candidates; a transformer repeats a
@@ -122,7 +114,7 @@ class Problem(MemoryModel):
                for t, a in zip(op.ins, op.in_avals)]
       slots += [graph.tensors[t].aval for t in op.outs]
       literal = tuple([t is None for t in op.ins] + [False] * len(op.outs))
-      fixed = _fixed_codes(op, slots, mi)
+      fixed = fixed_codes(op, slots, mi)
       key = (tuple(op.sigs), literal,
              tuple((tuple(a.shape), a.dtype.itemsize) for a in slots),
              len(op.ins), op.prim in MEMORY_ALIAS_OPS, fixed)
@@ -132,6 +124,11 @@ class Problem(MemoryModel):
       self.cands.append(cands)
       self.slot_idx.append(slot_idx)
       self.compute.append(op.flops * op.weight / rate / spl)
+      ct, cb = op_collectives(op, cands, mi, [
+          state_space(a.shape, a.dtype.itemsize, mi) for a in slots])
+      self.op_comm.append(ct * op.weight)
+      self.op_bytes.append(cb * op.weight)
+      self.node.append(self.compute[-1] + self.op_comm[-1])
       self.out_bytes.append(ob)
     # Edges: producer output slot -> consumer input slot.
     self.edges: list[Edge] = []
@@ -180,8 +177,9 @@ class Problem(MemoryModel):
         seen.setdefault(tuple(nd), None)
     cands = list(seen)
     if fixed is not None:
-      cands = [c for c in cands if all(c[s] == fixed for s in range(
-          len(op.ins), len(slots)))] or cands
+      cands = [c for c in cands if all(
+          f is None or c[s][a] == f for s in range(len(op.ins), len(slots))
+          for a, f in enumerate(fixed))] or cands
     if not cands:  # cannot happen with an all-B signature; be safe
       cands = [tuple(tuple(B for _ in range(mi.ndim)) for _ in slots)]
     slot_idx = [np.array([spaces[s].index[c[s]] for c in cands],
@@ -265,6 +263,9 @@ class Problem(MemoryModel):
     self.e_tn = t_n[es] if len(es) else np.zeros(0, np.int64)
     self.node_off = np.cumsum([0] + [len(c) for c in self.cands])[:-1]
     self.compute_flat = np.concatenate(self.compute)
+    self.op_comm_flat = np.concatenate(self.op_comm)
+    self.op_bytes_flat = np.concatenate(self.op_bytes)
+    self.node_flat = np.concatenate(self.node)
     self.out_bytes_flat = np.concatenate(self.out_bytes)
 
   def edge_costs(self, choice, what: str = "time") -> np.ndarray:
@@ -359,6 +360,7 @@ class Problem(MemoryModel):
     keep = self.distinct_reshards(ch) if keep is None else keep
     t = self.edge_costs(ch) if edge_time is None else edge_time
     comm = float(t[keep].sum()) + self.combined_latency(ch, keep)
+    comm += float(self.op_comm_flat[self.node_off + ch].sum())
     return compute, comm
 
   def evaluate(self, choice: Sequence[int], keep=None,
@@ -374,7 +376,8 @@ class Problem(MemoryModel):
         None, self.edge_costs(ch, "bytes"))
     compute, comm = self.step_time(ch, keep, t)
     return PlanCost(time_s=compute + comm, compute_s=compute, comm_s=comm,
-                    comm_bytes=float(b[keep].sum()),
+                    comm_bytes=float(b[keep].sum()) + float(
+                        self.op_bytes_flat[self.node_off + ch].sum()),
                     memory_bytes=self.peak_memory(choice))
 
   def slot_codes(self, op: int, choice_k: int, slot: int) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec
 
-from autoddl_jax import _remat
+from autoddl_jax import _remat, pipeline
 from autoddl_jax._cluster import H100_NODE, Cluster, MeshInfo, mesh_info
 from autoddl_jax._coords import layerless, merge_repeated_params
 from autoddl_jax._coords import param_and_moments, state_ties
@@ -52,6 +52,8 @@ class Program:
   state: frozenset[int]  # argument leaves the step updates (and returns)
   remat: str | tuple[str, ...] = _remat.NONE
   zero: Problem | None = None  # the weight-update-sharded problem
+  # How the step's ``ad.pipeline.scan`` calls run (None: as lax.scan).
+  schedule: pipeline.Schedule | None = None
   # Memo of what is derived from this value alone (textbook seeds and
   # their completions): filled on first use, never changed after.
   memo: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -93,10 +95,13 @@ def shard_tree(specs: Any, mesh) -> Any:
 
 def build(fn: Callable, args: tuple, mesh, cluster: Cluster | None,
           tie_repeated: bool = True,
-          remat: str | tuple[str, ...] = _remat.NONE) -> Program:
-  """Traces ``fn(*args)`` (with ``remat``: :mod:`autoddl_jax._remat`) and
-  builds its graph and problems on ``mesh`` (a Mesh, an AbstractMesh or
-  ``{axis: size}``) for ``cluster`` (default: an H100 node)."""
+          remat: str | tuple[str, ...] = _remat.NONE,
+          schedule: pipeline.Schedule | None = None) -> Program:
+  """Traces ``fn(*args)`` (with ``remat``: :mod:`autoddl_jax._remat`; its
+  ``ad.pipeline.scan`` calls run by ``schedule``, whose stage axis is one
+  of ``mesh``'s) and builds its graph and problems on ``mesh`` (a Mesh, an
+  AbstractMesh or ``{axis: size}``) for ``cluster`` (default: an H100
+  node)."""
   cluster = H100_NODE if cluster is None else cluster
   if not isinstance(cluster, Cluster):
     raise TypeError(f"cluster must be an autoddl_jax.Cluster, got "
@@ -104,7 +109,13 @@ def build(fn: Callable, args: tuple, mesh, cluster: Cluster | None,
   mi = mesh_info(mesh, cluster)  # validates the mesh before tracing
   if isinstance(mesh, Mapping):
     mesh = AbstractMesh(mi.axis_sizes, mi.axis_names)
-  tr = trace(fn, args, remat)
+  if schedule is not None and schedule.stages > 1 and (
+      schedule.axis not in mi.axis_names or
+      mi.axis_sizes[mi.axis_names.index(schedule.axis)] != schedule.stages):
+    raise ValueError(f"pipeline schedule {schedule}: the mesh "
+                     f"{dict(zip(mi.axis_names, mi.axis_sizes))} has no axis "
+                     f"{schedule.axis!r} of size {schedule.stages}")
+  tr = trace(fn, args, remat, schedule)
   graph = build_graph(tr.closed, tr.in_names, tr.out_names, tr.splittable)
   out_to_in, tie_groups = state_ties(tr)
   donated = frozenset(graph.input_ops[i] for i in tr.donated_leaves)
@@ -116,7 +127,7 @@ def build(fn: Callable, args: tuple, mesh, cluster: Cluster | None,
   zero = _state_problem(tr, graph, mi, cluster, donated, out_to_in,
                         tie_groups, tie_repeated, zero=True, like=prob)
   return Program(fn, mesh, mi, cluster, tr, graph, prob,
-                 frozenset(out_to_in.values()), remat, zero)
+                 frozenset(out_to_in.values()), remat, zero, schedule)
 
 
 def _state_problem(tr, graph, mi, cluster, donated, out_to_in, tie_groups,

@@ -74,7 +74,7 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
     sliced = np.zeros(nk)  # replicated operands sliced
     cost = np.zeros(nk)
     for m in members:
-      cost += prob.compute[m]
+      cost += prob.node[m]
       for ei in prob.incident[m]:
         e = prob.edges[ei]
         if e.cons == m and choice[e.prod] >= 0 and e.prod not in members:

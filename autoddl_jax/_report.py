@@ -122,6 +122,14 @@ def explain(plan: Plan, max_rows: int = 40) -> str:
            f"{cl.inter_node_bandwidth / 1e9:g} GB/s across, "
            f"{cl.peak_flops * cl.flops_efficiency / 1e12:g} TFLOP/s "
            f"sustained, {format_bytes(cl.memory_per_device)} per device"]
+  sched = plan.schedule
+  if sched is not None and sched.stages > 1:
+    lines.append(
+        f"pipeline: {sched.stages} stages over mesh axis {sched.axis!r} "
+        f"(GPipe, ad.pipeline.scan), {sched.microbatches} microbatches, "
+        f"{sched.ticks} ticks: bubble {sched.bubble:.1%} of each stage's "
+        f"ticks; per-stage memory is the peak below (a device holds one "
+        f"stage); the data-parallel column is this pipelined program's")
   c, dp = plan.cost, plan.baseline_cost("dp")
   rows = [("per device per step (predicted)", "this plan",
            "data parallel")]

@@ -124,6 +124,9 @@ for _name in ("random_bits", "random_seed", "random_wrap", "random_unwrap",
               "random_fold_in", "random_split", "threefry2x32"):
   RULES[_name] = Rule(sr.replicated)
 RULES["rev"] = Rule(sr.rev, ("P",))
+# ad.pipeline's stage shift: elementwise on every device's block (the block
+# itself moves to the next stage: a collective-permute the problem charges).
+RULES["stage_shift"] = Rule(elementwise, ("P",))
 RULES["iota"] = Rule(sr.iota)
 RULES["empty2"] = Rule(sr.iota)  # uninitialised: each device makes its own piece
 RULES["dot_general"] = Rule(sr.dot_general, ("PB", "BP"))

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from autoddl_jax import _remat
+from autoddl_jax import _remat, pipeline
 from autoddl_jax._jaxpr import inline_plain_calls
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -193,7 +193,10 @@ def _auto_context_mesh():
 
 
 def trace(fn: Callable, args: tuple,
-           remat: str | tuple[str, ...] = _remat.NONE) -> Traced:
+           remat: str | tuple[str, ...] = _remat.NONE,
+           schedule: pipeline.Schedule | None = None) -> Traced:
+  """``fn(*args)`` traced (its layer stacks under ``remat``, its
+  ``ad.pipeline.scan`` calls run by ``schedule``) into a :class:`Traced`."""
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}")
   static = {i: args[i] for i in static_argnums(fn, len(args))}
@@ -221,7 +224,8 @@ def trace(fn: Callable, args: tuple,
     shardings.append(s)
   abs_args = jax.tree_util.tree_unflatten(in_tree, abstract)
   try:
-    with _auto_context_mesh(), _remat.scan_policy(remat):
+    with _auto_context_mesh(), _remat.scan_policy(remat), \
+        pipeline.scheduled(schedule):
       closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abs_args)
   except TypeError as e:
     name = getattr(fn, "__name__", repr(fn))

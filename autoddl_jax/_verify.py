@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from autoddl_jax import _hlo
 from autoddl_jax._collectives import KINDS
@@ -137,6 +138,11 @@ def predicted_by_kind(plan: Plan) -> dict[str, float]:
     for kind, _, b in transition_steps(src, dst, e.space.nbytes,
                                        e.space.shape, plan.mesh_info):
       out[kind] += e.weight * b
+  # Collectives ops run themselves: a pipeline's stage shifts.
+  shifted = float(prob.op_bytes_flat[prob.node_off + np.asarray(
+      plan.choice, dtype=np.int64)].sum())
+  if shifted:
+    out["collective-permute"] += shifted
   return dict(out)
 
 

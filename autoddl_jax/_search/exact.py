@@ -34,7 +34,7 @@ def exact(prob: Problem, pins: Mapping[int, int] | None = None,
   cost = [np.zeros(int(x_off[-1]))]
   for g, m in enumerate(prob.groups):
     for o in m:
-      cost[0][x_off[g]:x_off[g + 1]] += prob.compute[o]
+      cost[0][x_off[g]:x_off[g + 1]] += prob.node[o]
   rows, cols, vals, lo, hi = [], [], [], [], []
   r = 0
 

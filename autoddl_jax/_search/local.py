@@ -240,7 +240,7 @@ def polish_by_score(prob: Problem, choice, mem_weight: float = 0.0,
       _, first = np.unique(key.ravel(), return_index=True)
       rows = first // len(e)
       comm = np.bincount(rows, cost.ravel()[first], minlength=n_k)
-      node = sum(prob.compute[o] for o in g)
+      node = sum(prob.node[o] for o in g)
       if mem_weight:
         node = node + mem_weight * sum(prob.out_bytes[o] for o in g)
       total = comm + node

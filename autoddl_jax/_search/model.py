@@ -38,7 +38,7 @@ class Mrf:
     for m in prob.groups:
       u = np.zeros(self.K[len(self.U)])
       for o in m:
-        u = u + prob.compute[o] + mem_weight * prob.out_bytes[o]
+        u = u + prob.node[o] + mem_weight * prob.out_bytes[o]
       self.U.append(u)
     self.M: dict[tuple[int, int], np.ndarray] = {}
     # Ops of one structure share their slot index arrays (see Problem), so
@@ -222,7 +222,7 @@ def groups_of(prob: Problem, choice: np.ndarray) -> np.ndarray:
 
 def objective(prob: Problem, choice, mem_weight: float = 0.0) -> float:
   ch = np.asarray(choice, dtype=np.int64)
-  node = prob.compute_flat[prob.node_off + ch].sum()
+  node = prob.node_flat[prob.node_off + ch].sum()
   if mem_weight:
     node += mem_weight * prob.out_bytes_flat[prob.node_off + ch].sum()
   return float(node + prob.edge_costs(ch).sum())

@@ -3,7 +3,8 @@
 Plain JAX + optax, functional style: ``step(params, opt_state, batch) ->
 (params, opt_state, loss)``. Four families: an MLP, a GPT-style transformer
 (embedding gather, causal attention, layernorm, softmax cross-entropy; layers in
-``lax.scan`` or unrolled), a VGG-style CNN (conv, max-pool) -- the AutoDDL
+``lax.scan``, ``ad.pipeline.scan`` or unrolled; a Llama-style decoder in
+:mod:`autoddl_jax.testing.llama`), a VGG-style CNN (conv, max-pool) -- the AutoDDL
 paper's two model families -- and a mixture-of-experts layer (top-1 routing with
 capacity, GShard-style dispatch).
 
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
+
+from autoddl_jax import pipeline
 
 Params = dict[str, Any]
 
@@ -136,6 +139,8 @@ class GptConfig:
   mlp_ratio: int = 4
   scan: bool = True
   dtype: Any = jnp.float32
+  # The layer stack through ad.pipeline.scan (pipelined where a plan says).
+  pipeline: bool = False
 
 
 def gpt(cfg: GptConfig = GptConfig(), seed=0, optimizer=None, abstract=False,
@@ -193,7 +198,8 @@ def gpt(cfg: GptConfig = GptConfig(), seed=0, optimizer=None, abstract=False,
   def loss_fn(p, batch):
     x = p["embed"][batch["inputs"]] + p["pos"]
     if cfg.scan:
-      x, _ = jax.lax.scan(lambda c, lp: (block(c, lp), None), x, p["layers"])
+      run = pipeline.scan if cfg.pipeline else jax.lax.scan
+      x, _ = run(lambda c, lp: (block(c, lp), None), x, p["layers"])
     else:
       for i in range(cfg.n_layers):
         x = block(x, p["layers"][str(i)])

@@ -1,0 +1,61 @@
+"""What an op itself demands of the plan: a layout for its results, and the
+collectives it runs.
+
+A user's ``with_sharding_constraint`` fixes its result's layout on every
+mesh axis; ``ad.pipeline``'s stage shift fixes its stage dim on the stage
+axis (the other axes free) and moves each device's block to the next stage,
+a collective-permute the problem charges to the op's candidate
+(:class:`~autoddl_jax._problem.Problem`'s ``op_comm``/``op_bytes``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autoddl_jax._cluster import MeshInfo
+from autoddl_jax._collectives import seconds
+from autoddl_jax._opgraph import STAGE_SHIFT
+from autoddl_jax._sbp import spec_to_codes
+
+
+def fixed_codes(op, slots, mi: MeshInfo) -> tuple[int | None, ...] | None:
+  """The nd codes an op's results must have, None on the axes left free,
+  or None: a user's sharding constraint on the plan's mesh (every axis
+  fixed), or a pipeline's stage shift (its stage dim on its stage axis).
+  A constraint on another mesh, or one the mesh cannot lay out, is left to
+  the plan (and to XLA at run time)."""
+  if op.fixed is None:
+    return None
+  if op.fixed[0] == STAGE_SHIFT:
+    _, axis, dim = op.fixed
+    if axis not in mi.axis_names:
+      return None
+    return tuple(dim if a == axis else None for a in mi.axis_names)
+  spec, axes = op.fixed
+  if tuple(axes) != mi.axis_names:
+    return None
+  try:
+    return spec_to_codes(spec, len(slots[-1].shape), mi.axis_names)
+  except ValueError:
+    return None
+
+
+def op_collectives(op, cands, mi: MeshInfo, spaces) -> tuple[np.ndarray,
+                                                              np.ndarray]:
+  """(time, bytes) per candidate of the collectives an op runs itself: a
+  stage shift moves each device's block to its neighbour on the axes that
+  split its stage dim (one collective-permute, as XLA partitions it)."""
+  t, b = np.zeros(len(cands)), np.zeros(len(cands))
+  if op.prim != STAGE_SHIFT:
+    return t, b
+  dim, out = op.fixed[2], len(op.ins)
+  for k, c in enumerate(cands):
+    axes = [a for a, code in enumerate(c[out]) if code == dim]
+    if not axes:
+      continue
+    local = float(spaces[out].local_bytes[spaces[out].index[c[out]]])
+    b[k] = local
+    t[k] = seconds("collective-permute", 2, local,
+                   max(mi.alpha[a] for a in axes),
+                   min(mi.beta[a] for a in axes))
+  return t, b

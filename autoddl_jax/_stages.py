@@ -1,0 +1,115 @@
+"""Which pipeline schedules the planner tries (``ad.plan(pipeline=...)``).
+
+A step whose layer stacks go through :func:`autoddl_jax.pipeline.scan` can
+run them as ``S`` stages over a mesh axis with ``M`` microbatches. Stages go
+over a whole mesh axis of size ``S``, or over the major part of a larger
+axis, which is split in two: ``(a_pp=S, a=n/S)`` -- stage ``s`` is the
+``s``-th block of consecutive devices along ``a``, so on a node-major mesh
+the stage boundaries cross the slow links and the rest of the axis stays
+for data or tensor parallelism. :func:`options` lists the schedules to plan
+(the stage count divides the axis and every stack's layer count), with
+:func:`microbatch_counts` (dividing every batch: ``4S`` first for every
+schedule, the others for the best schedule only), and :func:`stage_mesh`
+makes the mesh a schedule is planned on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh
+
+from autoddl_jax._cluster import MeshInfo
+from autoddl_jax.pipeline import Call
+
+# Microbatches per stage the planner tries: GPipe needs M >> S for a small
+# bubble; past ~8S the bubble is under 1/9 and per-tick latencies grow.
+MICROBATCHES_PER_STAGE = (4, 2, 8)  # the first for every schedule
+MAX_AXES = 4  # mesh_info's limit: an axis split adds one
+
+
+def stage_axis_name(axis: str, names: Sequence[str]) -> str:
+  name = f"{axis}_pp"
+  while name in names:
+    name += "_"
+  return name
+
+
+def stage_mesh(mesh, mi: MeshInfo, axis: int, stages: int
+               ) -> tuple[Mesh | AbstractMesh, str]:
+  """(the mesh a schedule of ``stages`` over mesh axis ``axis`` is planned
+  on, the name of its stage axis): ``mesh`` itself where the axis has that
+  size, else ``mesh`` with the axis split into (stages, the rest)."""
+  names, sizes = list(mi.axis_names), list(mi.axis_sizes)
+  if sizes[axis] == stages:
+    return mesh, names[axis]
+  if sizes[axis] % stages:
+    raise ValueError(f"{stages} stages do not divide mesh axis "
+                     f"{names[axis]!r} of size {sizes[axis]}")
+  stage = stage_axis_name(names[axis], names)
+  names[axis:axis + 1] = [stage, names[axis]]
+  sizes[axis:axis + 1] = [stages, sizes[axis] // stages]
+  if isinstance(mesh, Mesh):
+    types = list(mesh.axis_types)
+    types[axis:axis + 1] = [types[axis]] * 2
+    return Mesh(np.asarray(mesh.devices).reshape(sizes), tuple(names),
+                axis_types=tuple(types)), stage
+  return AbstractMesh(tuple(sizes), tuple(names)), stage
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch_counts(stages: int, batches: Sequence[int]) -> list[int]:
+  """The microbatch counts tried for ``stages``: for each multiple of
+  :data:`MICROBATCHES_PER_STAGE`, the largest count up to it that divides
+  every batch (the first is :data:`FIRST_MICROBATCHES` per stage)."""
+  g = math.gcd(*batches)
+  out = []
+  for k in MICROBATCHES_PER_STAGE:
+    m = max(d for d in _divisors(g) if d <= k * stages)
+    if m not in out:
+      out.append(m)
+  return out
+
+
+def options(calls: Sequence[Call], mi: MeshInfo, stages: int | None
+            ) -> list[tuple[int, int]]:
+  """(mesh axis, stage count) of each schedule to plan: ``stages`` forced,
+  or every count > 1 (None). A whole axis of that size is always tried; an
+  axis is split for stages only where its link is not inside one node (the
+  slow link is where stages pay, and a third mesh axis makes the search
+  slower), and for a forced count only where no whole axis has it. Empty where the step has no ``ad.pipeline.scan`` that can be
+  pipelined."""
+  if not calls or any(c.has_ys or c.batch is None for c in calls):
+    return []
+  layers = math.gcd(*(c.layers for c in calls))
+  out = []
+  for a, n in enumerate(mi.axis_sizes):
+    for s in _divisors(n):
+      if s < 2 or layers % s or (stages is not None and s != stages):
+        continue
+      if s == n or (mi.link[a] != "intra" and len(mi.axis_sizes) < MAX_AXES):
+        out.append((a, s))
+  if stages is not None and any(mi.axis_sizes[a] == s for a, s in out):
+    # Forced: a whole axis of that size is the schedule a user means.
+    out = [(a, s) for a, s in out if mi.axis_sizes[a] == s]
+  return out
+
+
+def why_none(calls: Sequence[Call], mi: MeshInfo, stages: int) -> str:
+  """Why ``stages`` stages cannot be planned (for the error message)."""
+  if not calls:
+    return ("the step calls no ad.pipeline.scan (write its layer stack as "
+            "ad.pipeline.scan(f, init, xs) instead of jax.lax.scan)")
+  if any(c.has_ys for c in calls):
+    return "an ad.pipeline.scan's f returns per-layer outputs (ys)"
+  if any(c.batch is None for c in calls):
+    return ("an ad.pipeline.scan's carry has no batch dim common to all its "
+            "leaves at batch_axis")
+  layers = sorted({c.layers for c in calls})
+  return (f"no mesh axis of {dict(zip(mi.axis_names, mi.axis_sizes))} is "
+          f"divisible by {stages} while the layer counts {layers} are")

@@ -1,0 +1,306 @@
+"""Pipeline stages over a stack of layers: :func:`scan`.
+
+``ad.pipeline.scan(f, init, xs)`` is a drop-in for ``jax.lax.scan(f, init,
+xs)`` over a stack of layers (``xs``: the stacked layer parameters, ``init``:
+the activations, ``f(carry, x) -> (carry, None)``). Outside planning, and
+whenever a plan uses one stage, it *is* ``lax.scan``. When the planner
+traces the step for ``S`` stages and ``M`` microbatches
+(``ad.plan(..., pipeline=...)``) it runs a GPipe schedule in plain JAX:
+
+* the stack's layer dim ``L`` becomes ``(S, L/S)`` -- stage ``s`` holds layers
+  ``s*L/S .. (s+1)*L/S - 1`` -- and the batch (``batch_axis`` of every carry
+  leaf) is dealt into ``M`` microbatches (row ``i`` goes to microbatch ``i %
+  M``, so a batch split over devices stays split without communication);
+* ``M + S - 1`` ticks (a ``lax.scan``): at each, every stage runs its layers
+  on the microbatch it holds (the stage dim ``vmap``-ed; the plan splits it
+  over the stage mesh axis, so each device group computes one stage), then
+  the activations move one stage on (:data:`stage_shift_p`, which XLA
+  partitions into one collective-permute on the stage axis) and stage 0
+  takes the next microbatch; the last stage's output is kept;
+* autodiff gives the backward pass (the transposed shift is the permute the
+  other way); the first and last ``S - 1`` ticks of each stage run on zeros
+  (the bubble, ``(S-1)/(M+S-1)`` of the loop), whose results are masked out.
+
+The schedule computes the same function as ``lax.scan`` (tests hold loss and
+gradients to the unsharded step at rel 1e-5). The cost model needs nothing
+special for it: the traced schedule's FLOPs (bubble ticks included), its
+stacked per-tick residuals, the permute and the gradient reduction over the
+smaller data-parallel group are in the program the planner costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+from jax.interpreters import ad as jad
+from jax.interpreters import batching, mlir
+
+__all__ = ["Schedule", "scan", "stage_shift"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """How a pipelined :func:`scan` runs: ``stages`` over mesh axis ``axis``,
+  the batch in ``microbatches``."""
+
+  stages: int
+  microbatches: int
+  axis: str  # the mesh axis (of the plan's mesh) the stage dim is split over
+  # The user's mesh axis that ``axis`` was split from (its major part,
+  # autoddl_jax._stages.stage_mesh), or None: ``axis`` is the user's own.
+  split_from: str | None = None
+
+  def __post_init__(self):
+    for name in ("stages", "microbatches"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"Schedule.{name} must be an int >= 1, got {v!r}")
+
+  @property
+  def ticks(self) -> int:
+    return self.microbatches + self.stages - 1
+
+  @property
+  def bubble(self) -> float:
+    """The fraction of each stage's ticks spent on no microbatch."""
+    return (self.stages - 1) / self.ticks
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One :func:`scan` call, as a traced program shows it (:func:`calls`)."""
+
+  layers: int  # the stack's leading dim
+  batch: int | None  # the carry's batch size (None: no common batch dim)
+  has_ys: bool  # f returns per-layer outputs (a pipeline cannot)
+
+
+class _State(threading.local):
+  schedule: Schedule | None = None
+
+
+_STATE = _State()
+# The name scope a plain (one-stage) scan runs in: how :func:`calls` finds
+# it in a traced program, cached traces included.
+_SCOPE = "autoddl_pipeline_scan"
+
+
+@contextlib.contextmanager
+def scheduled(schedule: Schedule | None) -> Iterator[None]:
+  """Within: every :func:`scan` runs ``schedule`` (None, or one stage:
+  ``lax.scan``)."""
+  if schedule is None or schedule.stages == 1:
+    yield
+    return
+  if _STATE.schedule is not None:
+    raise RuntimeError("pipeline schedules do not nest")
+  # jax caches traced functions by identity: a step traced before (as a
+  # plain scan) would be reused here, and this one reused after.
+  jax.clear_caches()
+  _STATE.schedule = schedule
+  try:
+    yield
+  finally:
+    _STATE.schedule = None
+    jax.clear_caches()
+
+
+_TAG = re.compile(_SCOPE + r"_L(\d+)_B(\d+|none)_Y([01])")
+
+
+def calls(jaxpr) -> list[Call]:
+  """The distinct :func:`scan` calls of a program traced without a
+  schedule (read from the name scope each one runs in, so a cached trace
+  shows them too)."""
+  found: dict[str, Call] = {}
+
+  def walk(j):
+    for eqn in j.eqns:
+      for m in _TAG.finditer(str(eqn.source_info.name_stack)):
+        if m.group(0) not in found:
+          batch = None if m.group(2) == "none" else int(m.group(2))
+          found[m.group(0)] = Call(int(m.group(1)), batch, m.group(3) == "1")
+      for sub in jcore.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr)
+  return list(found.values())
+
+
+# ------------------------------------------------------------- the shift
+stage_shift_p = jcore.Primitive("stage_shift")
+"""``stage_shift(x, shift, axis, mesh_axis)``: ``x`` moved ``shift`` (+1 or
+-1) places along dim ``axis``, zeros coming in. ``mesh_axis`` names the mesh
+axis the plan must split that dim over (the graph holds it fixed); the rule
+is elementwise and the cost model charges a collective-permute of each
+device's block wherever that dim is split."""
+
+
+def _shift_impl(x, *, shift: int, axis: int, mesh_axis: str):
+  del mesh_axis
+  pad = [(0, 0, 0)] * x.ndim
+  pad[axis] = (shift, -shift, 0)  # negative padding drops the far end
+  return lax.pad(x, jnp.zeros((), x.dtype), pad)
+
+
+def _shift_batch(args, dims, *, shift, axis, mesh_axis):
+  (x,), (d,) = args, dims
+  if d is batching.not_mapped:
+    return stage_shift_p.bind(x, shift=shift, axis=axis,
+                              mesh_axis=mesh_axis), d
+  return stage_shift_p.bind(x, shift=shift, axis=axis + (d <= axis),
+                            mesh_axis=mesh_axis), d
+
+
+def _shift_transpose(ct, x, *, shift, axis, mesh_axis):
+  del x
+  if type(ct) is jad.Zero:
+    return (ct,)
+  return (stage_shift_p.bind(ct, shift=-shift, axis=axis,
+                             mesh_axis=mesh_axis),)
+
+
+stage_shift_p.def_impl(_shift_impl)
+stage_shift_p.def_abstract_eval(lambda x, **_: x)
+jad.deflinear2(stage_shift_p, _shift_transpose)
+batching.primitive_batchers[stage_shift_p] = _shift_batch
+mlir.register_lowering(stage_shift_p, mlir.lower_fun(
+    _shift_impl, multiple_results=False))
+
+
+def stage_shift(x: jax.Array, mesh_axis: str, shift: int = 1,
+                axis: int = 0) -> jax.Array:
+  """``x`` moved ``shift`` places along ``axis`` (stage ``s`` gets stage
+  ``s - shift``'s block), zeros coming in."""
+  if shift not in (1, -1):
+    raise ValueError(f"stage_shift moves one stage (+1 or -1), got {shift}")
+  return stage_shift_p.bind(x, shift=shift, axis=axis % x.ndim,
+                            mesh_axis=mesh_axis)
+
+
+# -------------------------------------------------------------- the scan
+def _layers(xs) -> int:
+  leaves = jax.tree_util.tree_leaves(xs)
+  if not leaves:
+    raise ValueError("ad.pipeline.scan needs xs: the stacked layer "
+                     "parameters (a pytree of arrays with a leading layer "
+                     "dim)")
+  sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in leaves}
+  if len(sizes) != 1 or None in sizes:
+    raise ValueError("ad.pipeline.scan: every leaf of xs must have the same "
+                     f"leading (layer) dim, got {sorted(map(str, sizes))}")
+  return sizes.pop()
+
+
+def _batch(init, batch_axis: int) -> int | None:
+  sizes = set()
+  for a in jax.tree_util.tree_leaves(init):
+    if jnp.ndim(a) <= batch_axis:
+      return None
+    sizes.add(jnp.shape(a)[batch_axis])
+  return sizes.pop() if len(sizes) == 1 else None
+
+
+def scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, *,
+         batch_axis: int = 0) -> tuple[Any, Any]:
+  """``jax.lax.scan(f, init, xs)`` over a stack of layers, pipelined where
+  the plan puts its stages over a mesh axis (module docstring).
+
+  Args:
+    f: one layer, ``f(carry, x) -> (carry, ys)``; a pipelined scan needs
+      ``ys`` to be None (or an empty pytree).
+    init: the activations: a pytree whose every leaf has the batch at
+      ``batch_axis``.
+    xs: the stacked layer parameters (every leaf's leading dim is the layer
+      count).
+    batch_axis: the batch dim of ``init``'s leaves, dealt into microbatches.
+
+  Returns:
+    ``(carry, ys)`` as ``lax.scan`` returns them.
+  """
+  if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or \
+      batch_axis < 0:
+    raise ValueError(f"batch_axis must be an int >= 0, got {batch_axis!r}")
+  layers = _layers(xs)
+  sched = _STATE.schedule
+  shape = lambda a, k=0: jax.ShapeDtypeStruct(  # noqa: E731
+      jnp.shape(a)[k:], jnp.result_type(a))
+  ys_shape = jax.eval_shape(f, jax.tree_util.tree_map(shape, init),
+                            jax.tree_util.tree_map(lambda a: shape(a, 1), xs)
+                            )[1]
+  has_ys = bool(jax.tree_util.tree_leaves(ys_shape))
+  if sched is None:
+    # The scope tags the scan for the planner (:func:`calls`).
+    batch = _batch(init, batch_axis)
+    with jax.named_scope(f"{_SCOPE}_L{layers}_B{batch or 'none'}_Y"
+                         f"{int(has_ys)}"):
+      return lax.scan(f, init, xs)
+  if has_ys:
+    raise ValueError("ad.pipeline.scan: f returns per-layer outputs (ys); a "
+                     "pipelined scan needs f(carry, x) -> (carry, None). "
+                     "Plan with pipeline=1, or return them in the carry.")
+  return _pipelined(f, init, xs, batch_axis, layers, sched), None
+
+
+def _pipelined(f, init, xs, batch_axis: int, layers: int,
+               sched: Schedule):
+  S, M = sched.stages, sched.microbatches
+  batch = _batch(init, batch_axis)
+  if layers % S:
+    raise ValueError(f"ad.pipeline.scan: {layers} layers do not split into "
+                     f"{S} stages; use a stage count that divides them")
+  if batch is None or batch % M:
+    raise ValueError(
+        f"ad.pipeline.scan: the carry's batch dim {batch_axis} "
+        + ("differs between its leaves (or some leaf lacks it)"
+           if batch is None else f"of size {batch}")
+        + f" cannot be dealt into {M} microbatches; every leaf of init needs "
+        "the same batch size, divisible by the microbatch count")
+  tmap = jax.tree_util.tree_map
+  stages = tmap(lambda a: a.reshape(S, layers // S, *a.shape[1:]), xs)
+
+  def deal(a):  # (..., B at batch_axis, ...) -> (M, B/M, ...): row i -> i % M
+    a = jnp.moveaxis(a, batch_axis, 0)
+    a = a.reshape(batch // M, M, *a.shape[1:])
+    return jnp.swapaxes(a, 0, 1)
+
+  def gather(a):  # the inverse of deal
+    a = jnp.swapaxes(a, 0, 1).reshape(batch, *a.shape[2:])
+    return jnp.moveaxis(a, 0, batch_axis)
+
+  micro = tmap(deal, init)
+  feed = tmap(lambda a: jnp.concatenate(
+      [a, jnp.zeros((S - 1, *a.shape[1:]), a.dtype)]), micro)
+
+  def stage(params, h):  # one stage's layers on one microbatch
+    h = tmap(lambda a: jnp.moveaxis(a, 0, batch_axis), h)
+    h, _ = lax.scan(f, h, params)
+    return tmap(lambda a: jnp.moveaxis(a, batch_axis, 0), h)
+
+  def where_stage(s, a, b):
+    idx = lax.broadcasted_iota(jnp.int32, b.shape, 0)
+    return jnp.where(idx == s, a, b)
+
+  def tick(state, mb):
+    moved = tmap(lambda a: stage_shift(a, sched.axis), state)
+    inp = tmap(lambda m, a: where_stage(0, jnp.broadcast_to(m[None], a.shape),
+                                        a), mb, moved)
+    out = jax.vmap(stage)(stages, inp)
+    # The last stage's result, as a sum over the stage dim with the others
+    # masked: a partial sum over the stage axis, reduced once after the loop.
+    last = tmap(lambda a: where_stage(S - 1, a, jnp.zeros_like(a)).sum(0),
+                out)
+    return out, last
+
+  state0 = tmap(lambda a: jnp.zeros((S, *a.shape[1:]), a.dtype), micro)
+  _, ys = lax.scan(tick, state0, feed)
+  return tmap(lambda a: gather(a[S - 1:]), ys)

@@ -1,0 +1,164 @@
+"""ad.pipeline.scan and pipeline stages chosen by the planner (issue 15)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoddl_jax as ad
+from autoddl_jax import _program, _stages, pipeline
+from autoddl_jax.testing import llama as models
+from conftest import TEST_CLUSTER
+from helpers import make_mesh
+
+OPTIMIZERS = {"sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+              "adamw": lambda: optax.adamw(1e-3)}
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _layer(h, w):
+  return jnp.tanh(h @ w), None
+
+
+def test_without_a_schedule_it_is_lax_scan():
+  ws = jax.random.normal(jax.random.key(0), (4, 8, 8)) / 3
+  x = jax.random.normal(jax.random.key(1), (6, 8))
+  got = pipeline.scan(_layer, x, ws)[0]
+  want = jax.lax.scan(_layer, x, ws)[0]
+  np.testing.assert_array_equal(got, want)
+  jaxpr = jax.make_jaxpr(lambda w, x: pipeline.scan(_layer, x, w))(ws, x)
+  assert [e.primitive.name for e in jaxpr.jaxpr.eqns] == ["scan"]
+  assert pipeline.calls(jaxpr.jaxpr) == [pipeline.Call(4, 6, False)]
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 3), (4, 6), (4, 1), (1, 2)])
+def test_the_schedule_computes_the_same_function(stages, micro):
+  ws = jax.random.normal(jax.random.key(0), (4, 8, 8)) / 3
+  x = jax.random.normal(jax.random.key(1), (3, 6, 8))  # batch on axis 1
+
+  def loss(w, x):
+    return jnp.sum(pipeline.scan(_layer, x, w, batch_axis=1)[0] ** 2)
+
+  want = jax.value_and_grad(loss, argnums=(0, 1))(ws, x)
+  with pipeline.scheduled(pipeline.Schedule(stages, micro, "pp")):
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(ws, x)
+  names = {e.primitive.name for e in closed.jaxpr.eqns}
+  got = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, ws, x)
+  for g, w in zip(got, jax.tree.leaves(want)):
+    assert _rel(g, w) < 1e-5
+  assert ("scan" in names) and (stages == 1 or len(closed.jaxpr.eqns) > 5)
+
+
+def test_bad_input_says_what_to_change():
+  ws = jnp.zeros((3, 8, 8))
+  x = jnp.zeros((6, 8))
+  with pipeline.scheduled(pipeline.Schedule(2, 2, "pp")):
+    with pytest.raises(ValueError, match="3 layers do not split into 2"):
+      jax.make_jaxpr(lambda w, x: pipeline.scan(_layer, x, w))(ws, x)
+  with pipeline.scheduled(pipeline.Schedule(3, 4, "pp")):
+    with pytest.raises(ValueError, match="cannot be dealt into 4"):
+      jax.make_jaxpr(lambda w, x: pipeline.scan(_layer, x, w))(
+          jnp.zeros((3, 8, 8)), x)
+    with pytest.raises(ValueError, match=r"per-layer outputs \(ys\)"):
+      jax.make_jaxpr(lambda w, x: pipeline.scan(
+          lambda h, w: (h @ w, h), x, w))(jnp.zeros((3, 8, 8)), x)
+  with pytest.raises(ValueError, match="same leading"):
+    pipeline.scan(_layer, x, (jnp.zeros((3, 8, 8)), jnp.zeros((2, 8))))
+  with pytest.raises(ValueError, match="Schedule.stages"):
+    pipeline.Schedule(0, 1, "pp")
+  ex = models.llama(models.LlamaConfig(pipeline=False))
+  with pytest.raises(ValueError, match="calls no ad.pipeline.scan"):
+    ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)), cluster=TEST_CLUSTER,
+            pipeline=2)
+  with pytest.raises(ValueError, match="pipeline must be"):
+    ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)), pipeline=0)
+
+
+def test_stage_meshes_split_a_slow_axis():
+  mesh = make_mesh((4, 2))
+  mi = _program.mesh_info(mesh, TEST_CLUSTER)  # 4 devices per node
+  smesh, name = _stages.stage_mesh(mesh, mi, 0, 2)
+  assert (name, smesh.axis_names, smesh.devices.shape) == (
+      "data_pp", ("data_pp", "data", "model"), (2, 2, 2))
+  assert [d.id for d in smesh.devices.flat] == [d.id for d in
+                                                 mesh.devices.flat]
+  calls = [pipeline.Call(4, 8, False)]
+  # data (size 4) spans the nodes: 2 stages over its major half, or 4 over
+  # all of it; model (2, inside a node) only whole.
+  assert _stages.options(calls, mi, None) == [(0, 2), (0, 4), (1, 2)]
+  assert _stages.options(calls, mi, 2) == [(1, 2)]  # a whole axis first
+  assert _stages.options([pipeline.Call(4, 8, True)], mi, None) == []
+  assert _stages.microbatch_counts(2, [8]) == [8, 4]
+
+
+def _permute_axes(plan, compiled):
+  return {c.axes for c in ad.collectives(compiled, plan.mesh)
+          if c.kind == "collective-permute"}
+
+
+# Each (mesh, stages) once with each optimizer in the default run; the rest
+# of the product with `pytest -m slow`.
+_CASES = [((2, 4), 2, "sgd_momentum"), ((2, 4), 4, "adamw"),
+          ((4, 2), 4, "sgd_momentum"), ((4, 2), 2, "adamw")]
+_SLOW = [(m, s, o) for m, s, _ in _CASES for o in sorted(OPTIMIZERS)
+         if (m, s, o) not in _CASES]
+
+
+@pytest.mark.parametrize("shape,stages,opt", _CASES + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in _SLOW])
+def test_pipelined_llama_equals_the_unsharded_step(shape, stages, opt):
+  ex = models.llama(optimizer=OPTIMIZERS[opt](), return_grads=True)
+  want = jax.jit(ex.step)(*ex.args)
+  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh(shape),
+                 cluster=TEST_CLUSTER, pipeline=stages, select="model")
+  sched = plan.schedule
+  assert sched is not None and sched.stages == stages
+  assert plan.mesh.shape[sched.axis] == stages
+  step = plan.jit()
+  compiled = step.lower(*ex.args).compile()
+  got = step(*ex.args)
+  # loss, then every gradient, then the updated parameters and state
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert _rel(g, w) < 1e-5
+  # XLA moves activations between stages point to point, on the stage axis.
+  assert (sched.axis,) in _permute_axes(plan, compiled)
+  v = plan.verify()
+  pred, emitted = v.by_kind["collective-permute"]
+  assert pred > 0 and math.isclose(pred, emitted, rel_tol=0.1)
+
+
+def test_one_stage_where_stages_do_not_pay():
+  # Inside one node, with compute the bottleneck, the bubble costs more
+  # than the stages save: the planner keeps one stage.
+  ex = models.llama()
+  cluster = ad.Cluster(devices_per_node=8, intra_node_bandwidth=10e9,
+                       inter_node_bandwidth=10e9, peak_flops=1e9,
+                       memory_per_device=2**30, flops_efficiency=1.0)
+  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=cluster, select="model")
+  assert plan.schedule is None
+  forced = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                   cluster=cluster, select="model", pipeline=2)
+  assert forced.cost.time_s > plan.cost.time_s
+  assert "pipeline" not in plan.explain()
+  assert "bubble" in forced.explain()
+
+
+def test_a_pipelined_plan_saves_and_loads(tmp_path):
+  ex = models.llama()
+  mesh = make_mesh((2, 4))
+  plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=TEST_CLUSTER,
+                 pipeline=2, select="model")
+  path = tmp_path / "plan.json"
+  plan.save(path)
+  back = ad.load_plan(path, ex.step, *ex.args, mesh=mesh,
+                      cluster=TEST_CLUSTER)
+  assert back.schedule == plan.schedule and back.choice == plan.choice
+  assert back.cost == plan.cost
