@@ -29,7 +29,7 @@ def test_public_face_is_small():
       "NdSbp", "Plan", "PlanCost", "PlanFileError", "RuleError", "Selection",
       "UnsupportedPrimitiveWarning", "Verification", "auto_shard",
       "checkpoint", "collectives", "cost_of", "distributed", "hand_plan",
-      "load_plan", "plan", "sbp"}
+      "load_plan", "pipeline", "plan", "sbp"}
   # The partial-sum placement does not shadow ``P = PartitionSpec``.
   assert not hasattr(ad, "P") and repr(ad.sbp.P) == "P"
   assert set(ad.sbp.__all__) == {"B", "NdSbp", "P", "S", "Sbp"}
