@@ -22,7 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax._src.lax import lax as _lax_internal  # eq_to/le_to/lt_to
 
-from autoddl_jax import _hlo, _rules
+from autoddl_jax import _hlo, _rules, pipeline
 from autoddl_jax._jaxpr import INLINE, bodies, to_aval
 from autoddl_jax._lower import bind_eqn
 from autoddl_jax._sbp import B_CODE, P_CODE
@@ -118,6 +118,12 @@ PROGRAMS = {
     "total_order": (lambda x, y: [
         _lax_internal.eq_to_p.bind(x, y), _lax_internal.le_to_p.bind(x, y),
         _lax_internal.lt_to_p.bind(x, y)], [f32(4, 6), f32(4, 6)]),
+    # ad.pipeline's shift: split on its axis, each block moves one stage
+    # on (a collective-permute, which the problem charges to the op).
+    "stage_shift": (lambda x: [
+        pipeline.stage_shift(x, "x"), pipeline.stage_shift(x, "x", -1),
+        pipeline.stage_shift(x, "x", axis=1), jax.grad(lambda x: (
+            pipeline.stage_shift(x, "x") ** 2).sum())(x)], [f32(4, 6)]),
     "gather": (lambda t, ids, lg, lab: [
         t[ids], jnp.take_along_axis(lg, lab[:, None], axis=1),
         *jax.grad(lambda t, lg: t[ids].sum() + jnp.take_along_axis(
@@ -212,7 +218,9 @@ def _check_xla(eqn, ins, outs, sig):
   args = [ins[j] for j in var_pos]
   compiled = f.lower(*args).compile()
   kinds = {c.kind for c in _hlo.collectives(compiled)}
-  if P_CODE in sig[1]:
+  if eqn.primitive.name == "stage_shift" and sig[1][0] == eqn.params["axis"]:
+    assert kinds == {"collective-permute"}, kinds
+  elif P_CODE in sig[1]:
     assert kinds and kinds <= {"all-reduce", "reduce-scatter"}, kinds
   else:
     assert not kinds, f"signature {sig} needed collectives {kinds}"
