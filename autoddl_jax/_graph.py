@@ -46,10 +46,11 @@ BARRIER_RESHARD_PENALTY = 1e6
 
 def _demanded_layout(eqn) -> tuple[Any, tuple[str, ...]] | None:
   """The (spec, mesh axis names) a ``with_sharding_constraint`` demands,
-  a stage shift's ``(STAGE_SHIFT, mesh axis, dim)``, or None (another op,
+  a stage shift's ``(STAGE_SHIFT, ((mesh axis, dim), ...), shifted dim)``,
+  or None (another op,
   or a constraint with unconstrained dims)."""
   if eqn.primitive.name == STAGE_SHIFT:
-    return STAGE_SHIFT, eqn.params["mesh_axis"], eqn.params["axis"]
+    return STAGE_SHIFT, eqn.params["placement"], eqn.params["axis"]
   if eqn.primitive.name != "sharding_constraint" or eqn.params.get(
       "unconstrained_dims"):
     return None

@@ -21,16 +21,17 @@ from autoddl_jax._sbp import spec_to_codes
 def fixed_codes(op, slots, mi: MeshInfo) -> tuple[int | None, ...] | None:
   """The nd codes an op's results must have, None on the axes left free,
   or None: a user's sharding constraint on the plan's mesh (every axis
-  fixed), or a pipeline's stage shift (its stage dim on its stage axis).
+  fixed), or a pipeline's stage shift (its stage dim on its stage axis,
+  a replica dim on the replica axes).
   A constraint on another mesh, or one the mesh cannot lay out, is left to
   the plan (and to XLA at run time)."""
   if op.fixed is None:
     return None
   if op.fixed[0] == STAGE_SHIFT:
-    _, axis, dim = op.fixed
-    if axis not in mi.axis_names:
+    placement = dict(op.fixed[1])
+    if not set(placement) <= set(mi.axis_names):
       return None
-    return tuple(dim if a == axis else None for a in mi.axis_names)
+    return tuple(placement.get(a) for a in mi.axis_names)
   spec, axes = op.fixed
   if tuple(axes) != mi.axis_names:
     return None

@@ -24,7 +24,7 @@ class Tensor:
 
 
 # The primitive of ``ad.pipeline``'s stage shift (``pipeline.stage_shift_p``):
-# its op's ``fixed`` is ``(STAGE_SHIFT, stage mesh axis, stage dim)``.
+# its op's ``fixed`` is ``(STAGE_SHIFT, ((mesh axis, dim), ...), shifted dim)``.
 STAGE_SHIFT = "stage_shift"
 
 
@@ -46,8 +46,8 @@ class Op:
   # A layout the step itself demands of this op's result (a user's
   # ``with_sharding_constraint``): (PartitionSpec, mesh axis names). The
   # problem holds it fixed, so the reshard into it is planned and costed.
-  # A pipeline's stage shift: (STAGE_SHIFT, mesh axis, dim), that dim split
-  # over that axis and the other axes free.
+  # A pipeline's stage shift: (STAGE_SHIFT, ((mesh axis, dim), ...), the
+  # shifted dim): those dims split over those axes, the other axes free.
   fixed: Any = None
 
   def __post_init__(self):

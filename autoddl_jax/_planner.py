@@ -147,8 +147,11 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
       print(f"[autoddl_jax] pipeline: {stages} stages over {name!r}, {m} "
             "microbatches", file=sys.stderr, flush=True)
     split = None if smesh is mesh else mi.axis_names[axis]
+    reps, count = _stages.replica_axes(_program.mesh_info(smesh, cluster),
+                                       name, [b // m for b in batches])
     program = _program.build(fn, args, smesh, cluster, remat=policy,
-                             schedule=Schedule(stages, m, name, split))
+                             schedule=Schedule(stages, m, name, split, reps,
+                                               count))
     p, over, peak = search_plan(program, None, verbose, t0)
     p = p.replace(memory_budget=budget)
     variants = Variants(fn, args, smesh, cluster, verbose, program,
@@ -187,6 +190,13 @@ def select_mode(select: str | None, mesh) -> str:
   return select
 
 
+def _as_written(best: Plan, base: Plan) -> str:
+  """The candidate name of the step as written beside ``best``'s variant."""
+  stages, remat = best.schedule != base.schedule, best.remat != base.remat
+  return ("search:as-written" if stages and remat else
+          "search:no-stages" if stages else "search:no-remat")
+
+
 def select_compiled(best: Plan, budget: float | None, seconds: float,
                      alternatives: int, verbose: bool,
                      base: Plan | None = None, *,
@@ -195,7 +205,9 @@ def select_compiled(best: Plan, budget: float | None, seconds: float,
   """:func:`plan`'s ``select="compiled"``: the candidates, compiled, and
   the winner with its :class:`Selection`. ``base`` is the plan of the step
   as written where ``best`` is of a remat variant: the textbook plans are
-  written on it, and it is a candidate too (``"search:no-remat"``).
+  written on it, and it is a candidate too (``"search:no-remat"``,
+  ``"search:no-stages"`` where ``best`` is pipelined, or
+  ``"search:as-written"`` where both).
   ``refit(target)``: the plan for a budget of ``target`` by the model
   (:meth:`Variants.fit`). ``textbook=False``: only the search's plans
   are candidates (a forced pipeline)."""
@@ -204,7 +216,7 @@ def select_compiled(best: Plan, budget: float | None, seconds: float,
            ("search", "boundary",
             best.variant(best.choice, "boundary", "search"))]
   if base is not best:
-    cands.append(("search:no-remat", "pinned", base))
+    cands.append((_as_written(best, base), "pinned", base))
   if textbook:
     cands += [(k, "boundary", base.textbook(k)) for k in _seeds.TEXTBOOK]
   alts = list(best.search.alternatives.items())[:alternatives] \

@@ -113,3 +113,19 @@ def why_none(calls: Sequence[Call], mi: MeshInfo, stages: int) -> str:
   layers = sorted({c.layers for c in calls})
   return (f"no mesh axis of {dict(zip(mi.axis_names, mi.axis_sizes))} is "
           f"divisible by {stages} while the layer counts {layers} are")
+
+
+def replica_axes(mi: MeshInfo, stage_axis: str, micro_rows: Sequence[int]
+                 ) -> tuple[tuple[str, ...], int]:
+  """(the axes a stage's weights get a replica dim over, their product):
+  the axes across nodes other than the stage axis, where every
+  microbatch's rows split over them. Data parallelism there keeps each
+  replica's gradient apart over the ticks and sums it once after the loop
+  (a partial sum a loop carries is reduced on every trip: once per tick
+  over the slow link); inside a node the search chooses freely."""
+  axes = tuple(a for a, link in zip(mi.axis_names, mi.link)
+               if a != stage_axis and link != "intra")
+  count = math.prod(mi.axis_sizes[mi.axis_names.index(a)] for a in axes)
+  if count == 1 or any(r % count for r in micro_rows):
+    return (), 1
+  return axes, count

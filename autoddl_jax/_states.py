@@ -86,9 +86,27 @@ class StateSpace:
     best_b = np.full((n, n), INF)
     src = np.broadcast_to(st[:, None, :], (n, n, n_axes))
     dst = np.broadcast_to(st[None, :, :], (n, n, n_axes))
-    split_all = lambda c: np.where(c >= 0, sizes, 1.0).prod(axis=-1)  # noqa
+    # Per-state tables, indexed by a state's code in base rank+2 (kept up
+    # to date as one axis moves at a time): whether its splits divide, its
+    # split factor, whether it holds a partial sum. The pairs are many (a
+    # rank-6 tensor on 3 axes: 512 states, 262k pairs) and these were the
+    # reductions over the axis dim that dominated building a space.
+    radix = len(self.shape) + 2
+    weight = radix ** np.arange(n_axes)
+    combos = np.array(list(itertools.product(
+        range(-2, len(self.shape)), repeat=n_axes)), dtype=np.int64)
+    combos = combos[:, ::-1]  # product varies the last fastest: axis 0
+    table_key = ((combos + 2) * weight).sum(-1)
+    divides = np.zeros(radix ** n_axes, dtype=bool)
+    divides[table_key] = _divides_vec(combos, shape, sizes)
+    factor = np.ones(radix ** n_axes)
+    factor[table_key] = np.where(combos >= 0, sizes, 1.0).prod(axis=-1)
+    partial = np.zeros(radix ** n_axes, dtype=bool)
+    partial[table_key] = (combos == P).any(-1)
+    key0 = ((src + 2) * weight).sum(-1)
     for order in itertools.permutations(range(n_axes)):
       cur = src.copy()
+      key = key0.copy()
       t = np.zeros((n, n))
       b = np.zeros((n, n))
       ok = np.ones((n, n), dtype=bool)
@@ -97,12 +115,12 @@ class StateSpace:
       for a in order:
         s_, d_ = cur[..., a].copy(), dst[..., a]
         ok &= ~((s_ == P) & (s_ != d_) & moved)  # partials reduce first
-        split_other = np.where((cur >= 0) & (np.arange(n_axes) != a),
-                               sizes, 1.0).prod(axis=-1)
+        split_cur = factor[key]
+        split_other = split_cur / np.where(s_ >= 0, sizes[a], 1.0)
         nb = self.nbytes / split_other
         dt, db = _one_axis_vec(s_, d_, nb, int(sizes[a]), mi.alpha[a],
                                mi.beta[a], mi.combined)
-        before = self.nbytes / split_all(cur)
+        before = self.nbytes / split_cur
         # All-to-alls XLA widens over the target dim's axes
         # (_wide_all_to_all), grouped by the axes they span.
         others = np.arange(n_axes) != a
@@ -123,19 +141,20 @@ class StateSpace:
         bad_order = (s_ != d_) & (
             ((s_ >= 0) & (later == s_[..., None]).any(-1)) |
             ((d_ >= 0) & (later == d_[..., None]).any(-1)))
-        reducing = (cur == P).any(-1)
+        reducing = partial[key]
         cur[..., a] = d_
-        after = self.nbytes / split_all(cur)
+        key += (d_ - s_) * weight[a]
+        after = self.nbytes / factor[key]
         # As _path_cost: one permute at the end of reducing partial sums.
         disordered |= reducing & bad_order
-        done = reducing & disordered & ~(cur == P).any(-1)
+        done = reducing & disordered & ~partial[key]
         pb = np.where(reducing, np.where(done, after, 0.0),
                       np.where(bad_order, np.minimum(before, after), 0.0))
         disordered &= ~done
         t += dt + np.where(pb > 0, mi.alpha[a] + pb / mi.beta[a], 0.0)
         b += db + pb
         moved |= mov
-        ok &= _divides_vec(cur, shape, sizes)
+        ok &= divides[key]
       better = ok & (t < best_t)
       best_t = np.where(better, t, best_t)
       best_b = np.where(better, b, best_b)

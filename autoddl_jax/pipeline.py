@@ -58,9 +58,16 @@ class Schedule:
   # The user's mesh axis that ``axis`` was split from (its major part,
   # autoddl_jax._stages.stage_mesh), or None: ``axis`` is the user's own.
   split_from: str | None = None
+  # Mesh axes a replica dim of the stage weights is split over: data
+  # parallelism inside a stage whose gradients stay apart per replica over
+  # the ticks (a partial sum carried by a loop is reduced by XLA on every
+  # trip) and are summed once after the loop. () : none.
+  replicas: tuple[str, ...] = ()
+  replica_count: int = 1  # the product of the replica axes' sizes
 
   def __post_init__(self):
-    for name in ("stages", "microbatches"):
+    object.__setattr__(self, "replicas", tuple(self.replicas))
+    for name in ("stages", "microbatches", "replica_count"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"Schedule.{name} must be an int >= 1, got {v!r}")
@@ -89,6 +96,7 @@ class _State(threading.local):
 
 
 _STATE = _State()
+_LAX_SCAN = lax.scan  # as imported: autoddl_jax._remat patches lax.scan
 # The name scope a plain (one-stage) scan runs in: how :func:`calls` finds
 # it in a traced program, cached traces included.
 _SCOPE = "autoddl_pipeline_scan"
@@ -138,35 +146,36 @@ def calls(jaxpr) -> list[Call]:
 
 # ------------------------------------------------------------- the shift
 stage_shift_p = jcore.Primitive("stage_shift")
-"""``stage_shift(x, shift, axis, mesh_axis)``: ``x`` moved ``shift`` (+1 or
--1) places along dim ``axis``, zeros coming in. ``mesh_axis`` names the mesh
-axis the plan must split that dim over (the graph holds it fixed); the rule
-is elementwise and the cost model charges a collective-permute of each
-device's block wherever that dim is split."""
+"""``stage_shift(x, shift, axis, placement)``: ``x`` moved ``shift`` (+1 or
+-1) places along dim ``axis``, zeros coming in. ``placement`` holds the
+(mesh axis, dim) pairs the plan must split ``x`` by (the stage dim over the
+stage axis, a replica dim over the replica axes; the graph holds them
+fixed). The rule is elementwise; the cost model charges a collective-permute
+of each device's block wherever ``axis`` is split."""
 
 
-def _shift_impl(x, *, shift: int, axis: int, mesh_axis: str):
-  del mesh_axis
+def _shift_impl(x, *, shift: int, axis: int, placement):
+  del placement
   pad = [(0, 0, 0)] * x.ndim
   pad[axis] = (shift, -shift, 0)  # negative padding drops the far end
   return lax.pad(x, jnp.zeros((), x.dtype), pad)
 
 
-def _shift_batch(args, dims, *, shift, axis, mesh_axis):
+def _shift_batch(args, dims, *, shift, axis, placement):
   (x,), (d,) = args, dims
-  if d is batching.not_mapped:
-    return stage_shift_p.bind(x, shift=shift, axis=axis,
-                              mesh_axis=mesh_axis), d
-  return stage_shift_p.bind(x, shift=shift, axis=axis + (d <= axis),
-                            mesh_axis=mesh_axis), d
+  if d is not batching.not_mapped:
+    axis += d <= axis
+    placement = tuple((a, k + (d <= k)) for a, k in placement)
+  return stage_shift_p.bind(x, shift=shift, axis=axis,
+                            placement=placement), d
 
 
-def _shift_transpose(ct, x, *, shift, axis, mesh_axis):
+def _shift_transpose(ct, x, *, shift, axis, placement):
   del x
   if type(ct) is jad.Zero:
     return (ct,)
   return (stage_shift_p.bind(ct, shift=-shift, axis=axis,
-                             mesh_axis=mesh_axis),)
+                             placement=placement),)
 
 
 stage_shift_p.def_impl(_shift_impl)
@@ -178,13 +187,17 @@ mlir.register_lowering(stage_shift_p, mlir.lower_fun(
 
 
 def stage_shift(x: jax.Array, mesh_axis: str, shift: int = 1,
-                axis: int = 0) -> jax.Array:
+                axis: int = 0, replicas: tuple[str, ...] = (),
+                replica_dim: int | None = None) -> jax.Array:
   """``x`` moved ``shift`` places along ``axis`` (stage ``s`` gets stage
-  ``s - shift``'s block), zeros coming in."""
+  ``s - shift``'s block), zeros coming in; the plan splits ``axis`` over
+  ``mesh_axis`` and ``replica_dim`` over the ``replicas`` axes."""
   if shift not in (1, -1):
     raise ValueError(f"stage_shift moves one stage (+1 or -1), got {shift}")
-  return stage_shift_p.bind(x, shift=shift, axis=axis % x.ndim,
-                            mesh_axis=mesh_axis)
+  axis %= x.ndim
+  placement = ((mesh_axis, axis),) + tuple(
+      (a, replica_dim % x.ndim) for a in replicas)
+  return stage_shift_p.bind(x, shift=shift, axis=axis, placement=placement)
 
 
 # -------------------------------------------------------------- the scan
@@ -265,15 +278,26 @@ def _pipelined(f, init, xs, batch_axis: int, layers: int,
            if batch is None else f"of size {batch}")
         + f" cannot be dealt into {M} microbatches; every leaf of init needs "
         "the same batch size, divisible by the microbatch count")
+  R = sched.replica_count
+  if (batch // M) % R:
+    raise ValueError(f"ad.pipeline.scan: a microbatch of {batch // M} rows "
+                     f"does not split into {R} replicas")
   tmap = jax.tree_util.tree_map
   stages = tmap(lambda a: a.reshape(S, layers // S, *a.shape[1:]), xs)
+  if R > 1:  # (S, R, L/S, ...): each replica's copy, its gradient its own
+    stages = tmap(lambda a: jnp.broadcast_to(
+        a[:, None], (S, R, *a.shape[1:])), stages)
 
-  def deal(a):  # (..., B at batch_axis, ...) -> (M, B/M, ...): row i -> i % M
+  def deal(a):  # (..., B at batch_axis, ...) -> (M, [R,] B/M/R, ...)
     a = jnp.moveaxis(a, batch_axis, 0)
-    a = a.reshape(batch // M, M, *a.shape[1:])
-    return jnp.swapaxes(a, 0, 1)
+    a = a.reshape(batch // M, M, *a.shape[1:])  # row i -> microbatch i % M
+    a = jnp.swapaxes(a, 0, 1)
+    # a batch split in blocks over devices stays split: replica r holds
+    # the r-th block of each microbatch
+    return a.reshape(M, R, batch // M // R, *a.shape[2:]) if R > 1 else a
 
   def gather(a):  # the inverse of deal
+    a = a.reshape(M, batch // M, *a.shape[2 + (R > 1):])
     a = jnp.swapaxes(a, 0, 1).reshape(batch, *a.shape[2:])
     return jnp.moveaxis(a, 0, batch_axis)
 
@@ -283,18 +307,22 @@ def _pipelined(f, init, xs, batch_axis: int, layers: int,
 
   def stage(params, h):  # one stage's layers on one microbatch
     h = tmap(lambda a: jnp.moveaxis(a, 0, batch_axis), h)
-    h, _ = lax.scan(f, h, params)
+    h, _ = lax.scan(f, h, params)  # remat (autoddl_jax._remat) applies here
     return tmap(lambda a: jnp.moveaxis(a, batch_axis, 0), h)
+
+  run = jax.vmap(jax.vmap(stage)) if R > 1 else jax.vmap(stage)
 
   def where_stage(s, a, b):
     idx = lax.broadcasted_iota(jnp.int32, b.shape, 0)
     return jnp.where(idx == s, a, b)
 
   def tick(state, mb):
-    moved = tmap(lambda a: stage_shift(a, sched.axis), state)
+    moved = tmap(lambda a: stage_shift(
+        a, sched.axis, replicas=sched.replicas if R > 1 else (),
+        replica_dim=1), state)
     inp = tmap(lambda m, a: where_stage(0, jnp.broadcast_to(m[None], a.shape),
                                         a), mb, moved)
-    out = jax.vmap(stage)(stages, inp)
+    out = run(stages, inp)
     # The last stage's result, as a sum over the stage dim with the others
     # masked: a partial sum over the stage axis, reduced once after the loop.
     last = tmap(lambda a: where_stage(S - 1, a, jnp.zeros_like(a)).sum(0),
@@ -302,5 +330,7 @@ def _pipelined(f, init, xs, batch_axis: int, layers: int,
     return out, last
 
   state0 = tmap(lambda a: jnp.zeros((S, *a.shape[1:]), a.dtype), micro)
-  _, ys = lax.scan(tick, state0, feed)
+  # The tick loop as jax wrote it: a remat policy recomputes the layers
+  # (the scan in ``stage``), not whole stages on top of that.
+  _, ys = _LAX_SCAN(tick, state0, feed)
   return tmap(lambda a: gather(a[S - 1:]), ys)

@@ -38,8 +38,9 @@ def test_without_a_schedule_it_is_lax_scan():
   assert pipeline.calls(jaxpr.jaxpr) == [pipeline.Call(4, 6, False)]
 
 
-@pytest.mark.parametrize("stages,micro", [(2, 3), (4, 6), (4, 1), (1, 2)])
-def test_the_schedule_computes_the_same_function(stages, micro):
+@pytest.mark.parametrize("stages,micro,replicas", [
+    (2, 3, 1), (4, 6, 1), (4, 1, 1), (1, 2, 1), (2, 3, 2), (4, 1, 3)])
+def test_the_schedule_computes_the_same_function(stages, micro, replicas):
   ws = jax.random.normal(jax.random.key(0), (4, 8, 8)) / 3
   x = jax.random.normal(jax.random.key(1), (3, 6, 8))  # batch on axis 1
 
@@ -47,7 +48,9 @@ def test_the_schedule_computes_the_same_function(stages, micro):
     return jnp.sum(pipeline.scan(_layer, x, w, batch_axis=1)[0] ** 2)
 
   want = jax.value_and_grad(loss, argnums=(0, 1))(ws, x)
-  with pipeline.scheduled(pipeline.Schedule(stages, micro, "pp")):
+  sched = pipeline.Schedule(stages, micro, "pp", None,
+                            ("dp",) if replicas > 1 else (), replicas)
+  with pipeline.scheduled(sched):
     closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(ws, x)
   names = {e.primitive.name for e in closed.jaxpr.eqns}
   got = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, ws, x)
@@ -114,13 +117,17 @@ _SLOW = [(m, s, o) for m, s, _ in _CASES for o in sorted(OPTIMIZERS)
 @pytest.mark.parametrize("shape,stages,opt", _CASES + [
     pytest.param(*c, marks=pytest.mark.slow) for c in _SLOW])
 def test_pipelined_llama_equals_the_unsharded_step(shape, stages, opt):
-  ex = models.llama(optimizer=OPTIMIZERS[opt](), return_grads=True)
+  # batch 32: microbatches of 2 or 4 rows, which split over the replicas
+  ex = models.llama(models.LlamaConfig(batch=32), optimizer=OPTIMIZERS[opt](),
+                    return_grads=True)
   want = jax.jit(ex.step)(*ex.args)
   plan = ad.plan(ex.step, *ex.args, mesh=make_mesh(shape),
                  cluster=TEST_CLUSTER, pipeline=stages, select="model")
   sched = plan.schedule
   assert sched is not None and sched.stages == stages
   assert plan.mesh.shape[sched.axis] == stages
+  # data parallelism across the nodes inside a stage: a replica dim
+  assert sched.replicas == (("data",) if sched.axis == "model" else ())
   step = plan.jit()
   compiled = step.lower(*ex.args).compile()
   got = step(*ex.args)
@@ -162,3 +169,29 @@ def test_a_pipelined_plan_saves_and_loads(tmp_path):
                       cluster=TEST_CLUSTER)
   assert back.schedule == plan.schedule and back.choice == plan.choice
   assert back.cost == plan.cost
+
+
+def test_stages_across_a_slow_link_beat_every_plan_without_them():
+  # Two nodes of four over a slow link (0.25 GB/s), a stack of wide layers
+  # and a small batch: every plan without stages replicates the work over
+  # the nodes or moves gradients, weights or activations across them each
+  # layer; two stages, one a node, move each microbatch's activations once
+  # per tick (and reduce the stage's gradients inside the node).
+  cfg = models.LlamaConfig(d_model=256, n_heads=4, n_kv_heads=2, ffn=512,
+                           n_layers=8, seq=16, batch=16)
+  ex = models.llama(cfg)
+  cluster = ad.Cluster(devices_per_node=4, intra_node_bandwidth=100e9,
+                       inter_node_bandwidth=0.25e9, peak_flops=1e11,
+                       memory_per_device=2**30, flops_efficiency=1.0)
+  plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                 cluster=cluster, select="compiled", alternatives=0)
+  sel = plan.selection
+  assert plan.schedule is not None and plan.schedule.axis == "data"
+  won = sel.candidates[sel.winner]
+  others = [c for i, c in enumerate(sel.candidates)
+            if i != sel.winner and c.compiled is not None]
+  names = {c.name for c in others}
+  # the textbook plans, and the search's best plan without stages
+  assert {"dp", "fsdp", "megatron", "fsdp_tp", "search:no-stages"} <= names
+  for c in others:
+    assert won.compiled.time_s < c.compiled.time_s, c.name
