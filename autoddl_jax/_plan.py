@@ -156,8 +156,13 @@ class Plan:
     jitted = jax.jit(fn, in_shardings=in_sh,
                      out_shardings=shard_tree(self.out_specs, mesh),
                      **jit_kwargs)
+    # Arrays placed on another mesh of the same devices -- Explicit axes,
+    # or the user's mesh where pipeline stages split an axis of it -- are
+    # put on the plan's first.
     retype = not all(t == AxisType.Auto
-                     for t in getattr(self.mesh, "axis_types", ()))
+                     for t in getattr(self.mesh, "axis_types", ())) or (
+                         self.schedule is not None and
+                         self.schedule.split_from is not None)
     if not (retype or tr.static or tr.nnx_args):
       return jitted
     return PlannedStep(jitted, in_sh, retype=retype, static=tr.static,

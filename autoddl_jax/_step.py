@@ -20,7 +20,9 @@ class PlannedStep:
   * Explicit-axes mesh: the plan is lowered on the same devices viewed as
     Auto axes (sharding constraints need them). Arrays placed on the
     Explicit mesh carry that mesh in their types, so they are re-viewed on
-    the Auto mesh first -- same devices, same layout, no data moves.
+    the Auto mesh first -- same devices, same layout, no data moves. So
+    are arrays placed on the user's mesh where pipeline stages split one
+    of its axes (the data moves where the layouts differ).
   * Static arguments (``jax.jit(f, static_argnums=...)``): they must equal the
     values planned with, and travel as tree structure, not as arrays.
   * In-place flax.nnx objects: the new state the program returns is written

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autoddl_jax as ad
-from autoddl_jax import _program, _stages, pipeline
+from autoddl_jax import _planner, _program, _stages, pipeline
 from autoddl_jax.testing import llama as models
 from conftest import TEST_CLUSTER
 from helpers import make_mesh
@@ -195,3 +196,23 @@ def test_stages_across_a_slow_link_beat_every_plan_without_them():
   assert {"dp", "fsdp", "megatron", "fsdp_tp", "search:no-stages"} <= names
   for c in others:
     assert won.compiled.time_s < c.compiled.time_s, c.name
+
+
+@pytest.mark.slow  # a third mesh axis: ~1 minute to plan on 2 cores
+def test_a_plan_on_a_split_axis_runs_on_the_users_arrays():
+  # Two stages over the major half of a (4, 2) mesh's cross-node data
+  # axis: the plan's mesh is (data_pp=2, data=2, model=2); arrays placed on
+  # the user's mesh are put on it.
+  ex = models.llama(models.LlamaConfig(n_layers=2, batch=8),
+                    optimizer=OPTIMIZERS["sgd_momentum"](), return_grads=True)
+  mesh = make_mesh((4, 2))
+  [(plan, over, _)] = _planner.plan_stages(
+      ex.step, ex.args, mesh, TEST_CLUSTER, False, [(0, 2)], [8], None,
+      False, "none")[:1]
+  assert over is None and plan.schedule.split_from == "data"
+  assert plan.mesh.axis_names == ("data_pp", "data", "model")
+  placed = jax.device_put(ex.args, NamedSharding(mesh, P()))
+  want = jax.jit(ex.step)(*ex.args)
+  got = plan.jit()(*placed)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert _rel(g, w) < 1e-5
