@@ -213,7 +213,7 @@ class _Builder:
     for t in ins[nc:nc + ncar]:
       a = self.tensors[t].aval
       merges.append(self.op("~merge", "link", [t, None], [a, a], [a],
-                            _carry_sigs(a.rank), inner_w,
+                            _identity_sigs(a.rank, 2), inner_w,
                             [weight, inner_w]))
     xs_in = []
     for t in ins[nc + ncar:]:
@@ -282,7 +282,7 @@ class _Builder:
     for t in ins[cn + bn:]:
       a = self.tensors[t].aval
       merges.append(self.op("~merge", "link", [t, None], [a, a], [a],
-                            _carry_sigs(a.rank), weight,
+                            _identity_sigs(a.rank, 2), weight,
                             [weight, weight]))
     carry = [m.outs[0] for m in merges]
     (cctx, cj, cconsts), (bctx, bj, bconsts) = bodies(eqn, ctx)
@@ -307,15 +307,6 @@ def _identity_sigs(rank: int, n_in: int = 1) -> list[Sig]:
   sigs = [((B,) * n_in, (B,)), ((P,) * n_in, (P,))]
   sigs += [((d,) * n_in, (d,)) for d in range(rank)]
   return sigs
-
-
-def _carry_sigs(rank: int) -> list[Sig]:
-  """A loop-carried value (a scan's or while's carry): never a partial sum.
-  XLA cannot carry one across iterations; it reduces it in every iteration
-  (measured: a pipeline's stage-weight gradients, accumulated over the
-  ticks, were all-reduced once per tick where a plan keeping them partial
-  reduced them once), so the plan reduces it in the body and pays that."""
-  return [s for s in _identity_sigs(rank, 2) if s[1] != (P,)]
 
 
 def _slice_sigs(inner_rank: int) -> list[Sig]:

@@ -98,11 +98,12 @@ class Problem(MemoryModel):
     self.cands: list[list[tuple[tuple[int, ...], ...]]] = []
     self.slot_idx: list[list[np.ndarray | None]] = []
     self.compute: list[np.ndarray] = []
-    # Collectives an op runs itself (a pipeline's stage shift): time and
-    # bytes per candidate; ``node`` (compute + that time) is what the
+    # Collectives an op runs itself (a pipeline's stage shift; a loop carry
+    # held as a partial sum): time and bytes per candidate; ``node`` (compute + that time) is what the
     # search charges an op's candidate.
     self.op_comm: list[np.ndarray] = []
     self.op_bytes: list[np.ndarray] = []
+    self.op_kind: list[str | None] = []  # the collective of op_bytes
     self.node: list[np.ndarray] = []
     self.out_bytes: list[np.ndarray] = []
     # Ops of the same structure (signatures, slot shapes and dtypes, which
@@ -124,8 +125,10 @@ class Problem(MemoryModel):
       self.cands.append(cands)
       self.slot_idx.append(slot_idx)
       self.compute.append(op.flops * op.weight / rate / spl)
-      ct, cb = op_collectives(op, cands, mi, [
-          state_space(a.shape, a.dtype.itemsize, mi) for a in slots])
+      kind, ct, cb = op_collectives(op, cands, mi, [
+          state_space(a.shape, a.dtype.itemsize, mi) for a in slots],
+          loop_carry=op.prim == "~merge" and op.id in graph.loop_of_link)
+      self.op_kind.append(kind)
       self.op_comm.append(ct * op.weight)
       self.op_bytes.append(cb * op.weight)
       self.node.append(self.compute[-1] + self.op_comm[-1])

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 
 from autoddl_jax import _hlo
 from autoddl_jax._collectives import KINDS
@@ -138,11 +137,13 @@ def predicted_by_kind(plan: Plan) -> dict[str, float]:
     for kind, _, b in transition_steps(src, dst, e.space.nbytes,
                                        e.space.shape, plan.mesh_info):
       out[kind] += e.weight * b
-  # Collectives ops run themselves: a pipeline's stage shifts.
-  shifted = float(prob.op_bytes_flat[prob.node_off + np.asarray(
-      plan.choice, dtype=np.int64)].sum())
-  if shifted:
-    out["collective-permute"] += shifted
+  # Collectives ops run themselves: a pipeline's stage shifts, loop
+  # carries held as partial sums.
+  for o, kind in enumerate(prob.op_kind):
+    if kind is not None:
+      sent = float(prob.op_bytes[o][plan.choice[o]])
+      if sent:
+        out[kind] += sent
   return dict(out)
 
 

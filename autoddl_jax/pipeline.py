@@ -19,7 +19,12 @@ traces the step for ``S`` stages and ``M`` microbatches
   takes the next microbatch; the last stage's output is kept;
 * autodiff gives the backward pass (the transposed shift is the permute the
   other way); the first and last ``S - 1`` ticks of each stage run on zeros
-  (the bubble, ``(S-1)/(M+S-1)`` of the loop), whose results are masked out.
+  (the bubble, ``(S-1)/(M+S-1)`` of the loop), whose results are masked out;
+* with ``Schedule.replicas``, the stage weights get a replica dim split over
+  those axes (data parallelism inside a stage) and each microbatch is dealt
+  over it: each replica's weight gradient is accumulated apart over the
+  ticks and summed once after the loop, where a gradient accumulated as a
+  partial sum would be reduced by XLA on every tick.
 
 The schedule computes the same function as ``lax.scan`` (tests hold loss and
 gradients to the unsharded step at rel 1e-5). The cost model needs nothing
@@ -50,7 +55,8 @@ __all__ = ["Schedule", "scan", "stage_shift"]
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """How a pipelined :func:`scan` runs: ``stages`` over mesh axis ``axis``,
-  the batch in ``microbatches``."""
+  the batch in ``microbatches``, the stage weights in ``replica_count``
+  replicas over the ``replicas`` axes."""
 
   stages: int
   microbatches: int
