@@ -21,11 +21,12 @@ from collections.abc import Callable
 
 from jax.sharding import Mesh
 
-from autoddl_jax import _program, _remat, _search, _seeds, _select
+from autoddl_jax import _program, _remat, _search, _seeds, _select, _stages
 from autoddl_jax._budget import NoFit, fit_budget, propagated
 from autoddl_jax._cluster import format_bytes
 from autoddl_jax._plan import Plan
 from autoddl_jax._program import Program
+from autoddl_jax.pipeline import Schedule
 
 SELECT_ENV = "AUTODDL_JAX_SELECT"  # the default of plan(select=...)
 SELECT_SECONDS = 120.0
@@ -135,8 +136,6 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
   fits the step as written: (plan, why it does not fit or None, its
   variants). Every schedule is planned with its first microbatch count;
   the best two of them with the other counts too."""
-  from autoddl_jax import _stages
-  from autoddl_jax.pipeline import Schedule
   mi = _program.mesh_info(mesh, cluster)
   rank = lambda t: (t[1] is not None, t[0].cost.time_s)  # noqa: E731
 
