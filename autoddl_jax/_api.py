@@ -136,7 +136,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
   base, over, free_peak = _planner.search_plan(program, None, verbose, t0)
   base = best = base.replace(memory_budget=budget)
   variants = _planner.Variants(
-      fn, args, mesh, cluster, verbose, program,
+      fn, args, verbose, program,
       may_remat=remat is None and not _remat.has_checkpoint(
           program.traced.closed.jaxpr))
   options = [(base, over)]
@@ -157,7 +157,8 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
                   "repeated block without its own jax.checkpoint to "
                   "rematerialise"))
       over = _budget.NoFit(f"{over} Tried: {tried}.", over.result)
-  calls = _pipeline.calls(program.traced.closed.jaxpr)
+  calls = [] if pipeline == 1 else _pipeline.calls(
+      program.traced.closed.jaxpr)
   staged = pipeline != 1 and _stages.options(calls, program.mesh_info,
                                               pipeline)
   if pipeline not in (None, 1) and not staged:

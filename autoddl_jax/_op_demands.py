@@ -19,6 +19,7 @@ from autoddl_jax._cluster import MeshInfo
 from autoddl_jax._collectives import group_bytes, seconds
 from autoddl_jax._opgraph import STAGE_SHIFT
 from autoddl_jax._sbp import P_CODE, spec_to_codes
+from autoddl_jax._states import state_space
 
 
 def fixed_codes(op, slots, mi: MeshInfo) -> tuple[int | None, ...] | None:
@@ -44,7 +45,7 @@ def fixed_codes(op, slots, mi: MeshInfo) -> tuple[int | None, ...] | None:
     return None
 
 
-def op_collectives(op, cands, mi: MeshInfo, spaces, loop_carry: bool
+def op_collectives(op, cands, mi: MeshInfo, slots, loop_carry: bool
                    ) -> tuple[str | None, np.ndarray, np.ndarray]:
   """(collective kind or None, time, bytes) per candidate of what an op
   sends itself, once per execution:
@@ -59,28 +60,29 @@ def op_collectives(op, cands, mi: MeshInfo, spaces, loop_carry: bool
     reduced them once after the loop).
   """
   t, b = np.zeros(len(cands)), np.zeros(len(cands))
+  if op.prim != STAGE_SHIFT and not loop_carry:
+    return None, t, b
   out = len(op.ins)
+  space = state_space(slots[out].shape, slots[out].dtype.itemsize, mi)
   if op.prim == STAGE_SHIFT:
     dim = op.fixed[2]
     for k, c in enumerate(cands):
       axes = [a for a, code in enumerate(c[out]) if code == dim]
       if not axes:
         continue
-      local = float(spaces[out].local_bytes[spaces[out].index[c[out]]])
+      local = float(space.local_bytes[space.index[c[out]]])
       b[k] = local
       t[k] = seconds("collective-permute", 2, local,
                      max(mi.alpha[a] for a in axes),
                      min(mi.beta[a] for a in axes))
     return "collective-permute", t, b
-  if loop_carry:
-    for k, c in enumerate(cands):
-      axes = [a for a, code in enumerate(c[out]) if code == P_CODE]
-      if not axes:
-        continue
-      p = math.prod(mi.axis_sizes[a] for a in axes)
-      local = float(spaces[out].local_bytes[spaces[out].index[c[out]]])
-      b[k] = group_bytes("all-reduce", p, local)
-      t[k] = seconds("all-reduce", p, b[k], max(mi.alpha[a] for a in axes),
-                     min(mi.beta[a] for a in axes))
-    return "all-reduce", t, b
-  return None, t, b
+  for k, c in enumerate(cands):  # a loop carry
+    axes = [a for a, code in enumerate(c[out]) if code == P_CODE]
+    if not axes:
+      continue
+    p = math.prod(mi.axis_sizes[a] for a in axes)
+    local = float(space.local_bytes[space.index[c[out]]])
+    b[k] = group_bytes("all-reduce", p, local)
+    t[k] = seconds("all-reduce", p, b[k], max(mi.alpha[a] for a in axes),
+                   min(mi.beta[a] for a in axes))
+  return "all-reduce", t, b

@@ -90,13 +90,12 @@ class Variants:
   again, under the budget scaled by the model's error on a compiled
   plan."""
 
-  def __init__(self, fn, args, mesh, cluster, verbose: bool,
-               program: Program, may_remat: bool):
-    self.fn, self.args, self.cluster = fn, args, cluster
+  def __init__(self, fn, args, verbose: bool, program: Program,
+               may_remat: bool):
+    self.fn, self.args, self.cluster = fn, args, program.cluster
     # The program's own mesh and schedule: a pipelined variant's mesh may
     # split an axis of the user's (autoddl_jax._stages).
     self.mesh, self.schedule = program.mesh, program.schedule
-    del mesh
     self.verbose, self.policy = verbose, program.remat
     self.programs = {program.remat: program}
     self.policies = [program.remat] + (list(_remat.AUTO) if may_remat
@@ -153,8 +152,7 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
                                                count))
     p, over, peak = search_plan(program, None, verbose, t0)
     p = p.replace(memory_budget=budget)
-    variants = Variants(fn, args, smesh, cluster, verbose, program,
-                        may_remat=may_remat)
+    variants = Variants(fn, args, verbose, program, may_remat=may_remat)
     if budget is not None and peak > budget:
       p, over, _ = variants.fit(budget)
     return p.replace(search_s=time.perf_counter() - t0), over, variants

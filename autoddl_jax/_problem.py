@@ -99,8 +99,8 @@ class Problem(MemoryModel):
     self.slot_idx: list[list[np.ndarray | None]] = []
     self.compute: list[np.ndarray] = []
     # Collectives an op runs itself (a pipeline's stage shift; a loop carry
-    # held as a partial sum): time and bytes per candidate; ``node`` (compute + that time) is what the
-    # search charges an op's candidate.
+    # held as a partial sum): time and bytes per candidate; ``node``
+    # (compute + that time) is what the search charges an op's candidate.
     self.op_comm: list[np.ndarray] = []
     self.op_bytes: list[np.ndarray] = []
     self.op_kind: list[str | None] = []  # the collective of op_bytes
@@ -125,8 +125,8 @@ class Problem(MemoryModel):
       self.cands.append(cands)
       self.slot_idx.append(slot_idx)
       self.compute.append(op.flops * op.weight / rate / spl)
-      kind, ct, cb = op_collectives(op, cands, mi, [
-          state_space(a.shape, a.dtype.itemsize, mi) for a in slots],
+      kind, ct, cb = op_collectives(
+          op, cands, mi, slots,
           loop_carry=op.prim == "~merge" and op.id in graph.loop_of_link)
       self.op_kind.append(kind)
       self.op_comm.append(ct * op.weight)
