@@ -131,33 +131,70 @@ def parse_hlo(text: str, num_devices: int,
       opnds = [a for n in operand_names for a in _arrays(types.get(n, ""))]
       attrs = op[op.index(")"):] if ")" in op else ""
       groups = parse_groups(attrs, num_devices)
-      p = len(groups[0]) if groups else num_devices
-      rb = _nbytes(res)
-      ob = _nbytes(opnds) if opnds else rb
-      lowered_as = None
-      if kind == "all-reduce" and _only_sliced(name, users, ops):
-        # CPU writes a reduce-scatter as an all-reduce whose every user keeps
-        # only this device's slice (indexed by partition-id).
-        kind, lowered_as = "reduce-scatter", "all-reduce + dynamic-slice"
-      hlo_bytes = ring_bytes(kind, p, rb, ob)
       # An f32 collective between converts from/to bf16 moves bf16 values.
       upcast = None
       if all(d == "f32" for d, _ in res) and any(
           _is_bf16_convert(ops.get(n, ""), types.get(n, ""))
           for n in operand_names + users.get(name, [])):
         upcast = "bf16"
-      out.append(Collective(
-          kind=kind, name=name, shapes=tuple(s for _, s in res),
-          dtypes=tuple(d for d, _ in res),
-          operand_shapes=tuple(s for _, s in opnds),
-          groups=tuple(tuple(g) for g in groups), group_size=p,
-          count=mult.get(c, 0),
-          bytes_per_device=hlo_bytes / 2 if upcast else hlo_bytes,
-          computation=c,
-          axes=group_axes(groups, *mesh) if mesh else (),
-          upcast=upcast, hlo_bytes_per_device=hlo_bytes,
-          lowered_as=lowered_as))
+      common = dict(
+          name=name, groups=tuple(tuple(g) for g in groups),
+          group_size=len(groups[0]) if groups else num_devices,
+          count=mult.get(c, 0), computation=c,
+          axes=group_axes(groups, *mesh) if mesh else (), upcast=upcast)
+      if kind != "all-reduce":
+        out.append(_collective(kind, res, opnds, **common))
+        continue
+      # CPU writes a reduce-scatter as an all-reduce whose every user keeps
+      # only this device's slice (indexed by partition-id); its combiner
+      # may then merge such all-reduces with plain ones into one tuple (a
+      # GPU makes the reduce-scatters first and combines each kind apart):
+      # each element is read by what its users keep.
+      sliced = _sliced_elements(name, len(res), users, ops)
+      for as_rs in (False, True):
+        part = [i for i in range(len(res)) if sliced[i] == as_rs]
+        if part:
+          out.append(_collective(
+              "reduce-scatter" if as_rs else "all-reduce",
+              [res[i] for i in part],
+              [opnds[i] for i in part] if len(opnds) == len(res) else opnds,
+              lowered_as="all-reduce + dynamic-slice" if as_rs else None,
+              **common))
   return out
+
+
+def _collective(kind, res, opnds, *, upcast, lowered_as=None, **common
+                ) -> Collective:
+  hlo_bytes = ring_bytes(kind, common["group_size"], _nbytes(res),
+                         _nbytes(opnds) if opnds else _nbytes(res))
+  return Collective(
+      kind=kind, shapes=tuple(s for _, s in res),
+      dtypes=tuple(d for d, _ in res),
+      operand_shapes=tuple(s for _, s in opnds),
+      bytes_per_device=hlo_bytes / 2 if upcast else hlo_bytes,
+      upcast=upcast, hlo_bytes_per_device=hlo_bytes, lowered_as=lowered_as,
+      **common)
+
+
+_GTE_INDEX = re.compile(r"get-tuple-element\(%[^\s,)]+\), index=(\d+)")
+
+
+def _sliced_elements(name: str, n: int, users: dict[str, list[str]],
+                     ops: dict[str, str]) -> list[bool]:
+  """Per result element of an all-reduce, whether every user keeps only the
+  device's slice of it (a tuple's elements are read through their
+  get-tuple-elements; any other user of the tuple reads it whole)."""
+  if n == 1:
+    return [_only_sliced(name, users, ops)]
+  readers: dict[int, list[str]] = {}
+  for u in users.get(name, []):
+    m = _GTE_INDEX.match(ops.get(u, ""))
+    if m is None:
+      return [False] * n
+    readers.setdefault(int(m.group(1)), []).append(u)
+  return [bool(readers.get(i)) and
+          all(_only_sliced(u, users, ops) for u in readers[i])
+          for i in range(n)]
 
 
 _PASS_THROUGH = ("get-tuple-element", "bitcast", "copy", "reshape")

@@ -199,3 +199,53 @@ def test_cpu_all_reduce_then_slice_reads_as_a_reduce_scatter():
   if c.lowered_as is not None:  # CPU; a GPU emits the reduce-scatter itself
     assert c.lowered_as == "all-reduce + dynamic-slice"
   assert c.bytes_per_device == pytest.approx(3 / 4 * 16 * 32 * 4)
+
+
+def test_combined_all_reduce_reads_each_element_by_what_its_users_keep():
+  # XLA:CPU merges the bias gradient's all-reduce (kept whole: the bias is
+  # replicated) with the weights' (each device keeps its slice: they are
+  # split) into one tuple; a GPU makes reduce-scatters of the latter before
+  # combining, so the tuple reads as one all-reduce and one reduce-scatter.
+  mesh = make_mesh((8,), explicit=False)
+  rep, row = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+  def step(p, x):
+    g = jax.grad(lambda p: (jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]).sum())(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+  sh = {"w": NamedSharding(mesh, P("data", None)), "b": rep, "v": row}
+  p = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=rep),
+       "b": jax.ShapeDtypeStruct((256,), jnp.float32, sharding=rep),
+       "v": jax.ShapeDtypeStruct((256,), jnp.float32, sharding=rep)}
+  x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=row)
+  f = jax.jit(step, in_shardings=({k: rep for k in p}, row),
+              out_shardings=sh)
+  cols = ad.collectives(f.lower(p, x).compile())
+  by_kind = {}
+  for c in cols:
+    by_kind.setdefault(c.kind, []).extend(c.shapes)
+  assert sorted(by_kind["all-reduce"]) == [(256,)]
+  assert sorted(by_kind["reduce-scatter"]) == [(256,), (256, 256)]
+  rs = sum(c.bytes_per_device for c in cols if c.kind == "reduce-scatter")
+  assert rs == pytest.approx(7 / 8 * (256 * 256 + 256) * 4)
+  ar = sum(c.bytes_per_device for c in cols if c.kind == "all-reduce")
+  assert ar == pytest.approx(2 * 7 / 8 * 256 * 4)
+
+
+def test_tuple_all_reduce_elements_parsed_from_text():
+  text = _module(
+      "%ar = (f32[16,32]{1,0}, f32[16,32]{1,0}) all-reduce(%p0, %p0), "
+      "channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, "
+      "to_apply=%add",
+      "%g0 = f32[16,32]{1,0} get-tuple-element(%ar), index=0",
+      "%g1 = f32[16,32]{1,0} get-tuple-element(%ar), index=1",
+      "%pid = u32[] partition-id()",
+      "%z = s32[] constant(0)",
+      "%ds = f32[2,32]{1,0} dynamic-slice(%g1, %z, %z), "
+      "dynamic_slice_sizes={2,32}",
+      "ROOT %t = (f32[16,32]{1,0}, f32[2,32]{1,0}) tuple(%g0, %ds)")
+  cols = _hlo.parse_hlo(text, 8, MESH_24)
+  assert [(c.kind, c.shapes) for c in cols] == [
+      ("all-reduce", ((16, 32),)), ("reduce-scatter", ((16, 32),))]
+  assert cols[1].lowered_as == "all-reduce + dynamic-slice"
+  assert all(c.name == "ar" and c.count == 1 for c in cols)
