@@ -212,8 +212,12 @@ def _differentiated_remat(eqn, jaxpr, consts, args, ctx, pins):
   unrolled blocks' recomputations were merged with the forward by XLA's CSE
   (no FLOPs spent, no memory saved) -- scans hid it, the loop keeps the two
   apart."""
-  body = jax.make_jaxpr(lambda *a: interpret(jaxpr, consts, a, ctx, pins))(
-      *args)
+  # Its inputs are pinned as they enter (the layouts the graph's ~barrier
+  # links give them: as made): left free, XLA gave a value the layout its
+  # recomputed readers slice it to, sliced it before the barrier and
+  # gathered it again behind it for the reader that wants it whole.
+  body = jax.make_jaxpr(lambda *a: interpret(jaxpr, consts, a, ctx, pins,
+                                             pin_invars=True))(*args)
   j = body.jaxpr
   open_body = jcore.Jaxpr([], [*j.constvars, *j.invars], j.outvars, j.eqns,
                           effects=j.effects,

@@ -394,3 +394,40 @@ def test_a_budget_that_rules_out_fsdps_gathered_weights_gets_zero():
   assert P(None, "data") in specs
   # XLA agrees that it fits and DP does not.
   assert p.verify().xla_memory <= budget < dp.verify().xla_memory
+
+
+def test_a_recomputation_takes_its_operands_as_they_entered_the_barrier():
+  # Each block keeps the residual stream whole and computes on batch
+  # slices (the user's constraints fix those layouts). The recomputation
+  # of a block reads its whole input twice: sliced for the dot, whole for
+  # the residual add. Left free behind the optimization barrier, XLA gave
+  # the input the sliced layout, sliced it before the barrier and gathered
+  # it again behind it -- an all-gather per block the plan never made.
+  mesh = make_mesh((8,), explicit=False)
+  wsc = lambda x, *spec: jax.lax.with_sharding_constraint(  # noqa: E731
+      x, jax.sharding.NamedSharding(mesh, P(*spec)))
+
+  def loss(params, x):
+    h = x
+    for w in params:
+      whole = wsc(h)
+      y = wsc(jnp.tanh(wsc(whole, "data") @ w), "data")
+      h = whole + wsc(y)
+    return jnp.mean(h ** 2)
+
+  tx = optax.sgd(0.1)
+
+  def step(params, opt, x):
+    loss_value, g = jax.value_and_grad(loss)(params, x)
+    u, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, u), opt, loss_value
+
+  k = jax.random.split(jax.random.key(0), L + 1)
+  params = [jax.random.normal(k[i], (64, 64)) / 8 for i in range(L)]
+  args = (params, tx.init(params), jax.random.normal(k[-1], (512, 64)))
+  p = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
+              remat="dots_saveable", select="model")
+  v = p.verify()
+  pred, emitted = v.by_kind["all-gather"]
+  assert emitted == pytest.approx(pred, rel=1e-6)
+  _assert_step_equal(p.jit()(*args), jax.jit(step)(*args))
