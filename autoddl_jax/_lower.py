@@ -127,6 +127,20 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
     env[v] = pins.constrain(a, pins.bodies.get((ctx, v))) if pin_invars else a
   pending: dict[int, list] = {}  # region -> its eqns met so far
   stacked: dict[Any, Any] = {}  # partial sums handed between regions
+  # One reshard per value and path, shared by every reader that wants it
+  # (as the cost model charges it): a chain of constraints per reader made
+  # XLA emit the last collective once per reader -- an FSDP weight gathered
+  # for the forward's dot and again for the backward's.
+  resharded: dict[tuple, Any] = {}
+
+  def operand(v, path):
+    if not path or isinstance(v, jcore.Literal):
+      return read(v)
+    key = (v, path)
+    if key not in resharded:
+      resharded[key] = pins.constrain_path(read(v), path)
+    return resharded[key]
+
   for i, eqn in enumerate(jaxpr.eqns):
     sub = ctx + (i,)
     region = pins.regions.get(sub)
@@ -136,7 +150,7 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
       items = pending.setdefault(id(region), [])
       items.append((sub, eqn, [
           stacked[v] if (sub, j) in region.stacked_in else
-          pins.constrain_path(read(v), pins.inputs.get((sub, j)))
+          operand(v, pins.inputs.get((sub, j)))
           if (sub, j) in region.in_codes or isinstance(v, jcore.Literal)
           else None for j, v in enumerate(eqn.invars)]))
       if sub == region.members[-1]:
@@ -146,9 +160,8 @@ def interpret(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: tuple,
           env[v] = pins.constrain(x, pins.outputs.get((ctx, v)))
         stacked.update(handed)
       continue
-    invals = [read(v) for v in eqn.invars]
-    invals = [pins.constrain_path(x, pins.inputs.get((sub, j)))
-              for j, x in enumerate(invals)]
+    invals = [operand(v, pins.inputs.get((sub, j)))
+              for j, v in enumerate(eqn.invars)]
     name = eqn.primitive.name
     if name in INLINE:
       outs = _inline(eqn, invals, sub, pins)
