@@ -213,8 +213,9 @@ class Plan:
     user writes it (:mod:`autoddl_jax._propagate`: the devices as one
     group, partial sums reduced where they are made); ``"fsdp"``
     (parameters too split over every axis, ZeRO-3), ``"megatron"``
-    (matmul weights alternately column- and row-split over the last axis,
-    data parallel over the others) or ``"fsdp_tp"`` (Megatron's layout with
+    (each matmul weight column- or row-split over the last axis as the
+    dataflow pairs them, :mod:`autoddl_jax._tensor_parallel`; data
+    parallel over the others) or ``"fsdp_tp"`` (Megatron's layout with
     each weight's largest other dim split over the other axes, as
     MaxText's fsdp x tensor rules), each completed by the search with those
     placements held."""

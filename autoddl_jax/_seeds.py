@@ -4,8 +4,9 @@ A seed pins every argument of the step (its input ops) to the layout a
 textbook plan gives it; the search completes the rest. :class:`Kind` names
 them: data parallelism (``dp``: parameters replicated, the batch split over
 every device), ``fsdp`` (ZeRO-3: parameters split too), ``megatron``
-(matmul weights alternately column- and row-split over the last mesh
-axis, data parallel over the others), ``fsdp_tp`` (Megatron's layout with
+(matmul weights column- or row-split over the last mesh axis as the
+dataflow pairs them, :mod:`autoddl_jax._tensor_parallel`; data parallel
+over the others), ``fsdp_tp`` (Megatron's layout with
 each weight's largest other dim split over the other axes, as MaxText's
 fsdp x tensor rules) and ``zero`` (ZeRO-1/2: DP with each optimizer moment
 split as FSDP splits it), plus ``user``: the shardings the arguments came
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding
 from autoddl_jax._coords import moments
 from autoddl_jax._program import Program
 from autoddl_jax._sbp import B_CODE as B, spec_to_codes
+from autoddl_jax._tensor_parallel import weight_dims
 
 
 class Kind(enum.StrEnum):
@@ -35,7 +37,7 @@ class Kind(enum.StrEnum):
   USER = "user"  # the arguments' own shardings
 
 
-SEEDS = (Kind.DP.value, Kind.FSDP.value)  # + megatron (own builder), user's
+SEEDS = (Kind.DP.value, Kind.FSDP.value)  # + megatron, fsdp_tp, user's
 BASELINES = (*SEEDS, Kind.MEGATRON.value, Kind.FSDP_TP.value)
 TEXTBOOK = BASELINES  # the plans selection compiles as a user writes them
 
@@ -71,17 +73,22 @@ def seed_codes(kind: str, shape, sizes, is_state: bool) -> tuple[int, ...]:
           div[d] *= sizes[a]
           break
     return tuple(out)
-  if kind.endswith(("tp_col", "tp_row")) and rank >= 2:
-    d = (-1 if kind.endswith("tp_col") else -2) % rank
-    axes_dims = [(n - 1, d)]
-    if kind.startswith("fsdp_"):
-      # FSDP+TP (MaxText's fsdp x tensor): the other axes split the largest
-      # dim the tensor-parallel axis leaves whole.
-      other = min((x for x in range(rank) if x != d),
-                  key=lambda x: (-shape[x], x))
-      axes_dims += [(a, other) for a in range(n - 1)]
-    return split_codes(shape, sizes, axes_dims)
   return (B,) * n
+
+
+def tp_codes(shape, sizes, dims: Sequence[int], fsdp: bool
+             ) -> tuple[int, ...]:
+  """A weight's Megatron codes: the first of ``dims`` the last mesh axis
+  divides is split over it; with ``fsdp`` (FSDP+TP, MaxText's fsdp x
+  tensor rules) the other axes split the largest dim it leaves whole."""
+  n, rank = len(sizes), len(shape)
+  tp = next((d for d in dims if shape[d] % sizes[-1] == 0), None)
+  axes_dims = [] if tp is None else [(n - 1, tp)]
+  if fsdp and rank >= 2:
+    other = min((x for x in range(rank) if x != tp),
+                key=lambda x: (-shape[x], x))
+    axes_dims += [(a, other) for a in range(n - 1)]
+  return split_codes(shape, sizes, axes_dims)
 
 
 def _pins_for(program: Program,
@@ -101,27 +108,31 @@ def _pins_for(program: Program,
 
 
 def megatron(program: Program, fsdp: bool = False) -> dict[int, int]:
-  """Matmul weights alternate column- and row-parallel on the last mesh axis
-  in the order the program first uses them; data splits over the others
-  (and with ``fsdp``, so does each weight's largest other dim: FSDP+TP)."""
+  """Matmul weights column- or row-parallel on the last mesh axis as the
+  dataflow makes them (:mod:`autoddl_jax._tensor_parallel`), data split
+  over the other axes (and with ``fsdp``, so is each weight's largest other
+  dim: FSDP+TP). A weight's optimizer moments follow it."""
   prob, graph, tr = program.problem, program.graph, program.traced
   mi, state = program.mesh_info, program.state
-  first_use = {}
-  for i, o in enumerate(graph.input_ops):
-    t = graph.tensors[graph.ops[o].outs[0]]
-    g = int(prob.group_of[o])
-    if i in state and len(tr.in_avals[i].shape) >= 2 and t.consumers:
-      first_use[g] = min(first_use.get(g, 1 << 60),
-                         min(c for c, _ in t.consumers))
-  kind = {g: ("tp_col", "tp_row")[j % 2] for j, g in enumerate(
-      sorted(first_use, key=lambda g: (first_use[g], g)))}
+  if "tp_dims" not in program.memo:  # a walk of the program, made once
+    weights = [i for i in state if len(tr.in_avals[i].shape) >= 2]
+    found = weight_dims(tr.closed, weights, [
+        i for i in range(len(tr.in_avals)) if i not in state])
+    by_group: dict[int, tuple[int, ...]] = {}
+    for i, dims in sorted(found.items()):
+      by_group.setdefault(int(prob.group_of[graph.input_ops[i]]), dims)
+    program.memo["tp_dims"] = by_group
+  group_dims = program.memo["tp_dims"]
 
   def codes(i):
     if not tr.splittable[i]:
       return None
-    k = kind.get(int(prob.group_of[graph.input_ops[i]]), "tp_col")
-    return seed_codes("fsdp_" + k if fsdp else k, tr.in_avals[i].shape,
-                      mi.axis_sizes, i in state)
+    shape = tr.in_avals[i].shape
+    if i not in state:
+      return seed_codes(Kind.MEGATRON, shape, mi.axis_sizes, False)
+    dims = group_dims.get(int(prob.group_of[graph.input_ops[i]]), ())
+    return tp_codes(shape, mi.axis_sizes, dims if len(shape) >= 2 else (),
+                    fsdp and len(shape) >= 2)
 
   return _pins_for(program, codes)
 
@@ -155,6 +166,7 @@ def seeds(program: Program, zero: bool = False) -> dict[str, dict[int, int]]:
         seed_codes(kind, tr.in_avals[i].shape, mi.axis_sizes, i in state)
         if tr.splittable[i] else None))
   out[Kind.MEGATRON.value] = megatron(program)
+  out[Kind.FSDP_TP.value] = megatron(program, fsdp=True)
   if zero:
     # ZeRO-1/2: DP, with every optimizer moment split as FSDP splits it.
     moms = moments(tr)
@@ -166,13 +178,9 @@ def seeds(program: Program, zero: bool = False) -> dict[str, dict[int, int]]:
 
 
 def textbook_pins(program: Program, kind: str) -> dict[int, int]:
-  """{input op: candidate} of a textbook plan's boundary (a seed, or
-  FSDP+TP), made once per program."""
+  """{input op: candidate} of a textbook plan's boundary (one of the
+  seeds), made once per program."""
   memo = program.memo.setdefault("seeds", {})
   if kind not in memo:
-    if kind == Kind.FSDP_TP:
-      memo[kind] = megatron(program, fsdp=True)
-    else:
-      memo.update({k: v for k, v in seeds(program).items()
-                   if k not in memo})
+    memo.update({k: v for k, v in seeds(program).items() if k not in memo})
   return dict(memo[kind])
