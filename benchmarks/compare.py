@@ -4,9 +4,12 @@
         [--clusters 2x4,1x8] [--budgets none,0.6] [--budget-clusters 2x4]
         [--size realistic] [--exact-limit 10]
         [--csv benchmarks/results/compare.csv] [--peaks CSV]
+        [--resume LOG ...]
 
 (``--budgets 0.6`` runs only the budgeted cases: DP's peak is compiled for
-each, or read from an earlier run's CSV with ``--peaks``.)
+each, or read from an earlier run's CSV with ``--peaks``. ``--resume`` takes
+the cases an interrupted run finished from its stderr log -- every finished
+case is logged as one JSON ``row`` line -- and runs the rest.)
 
 For each held-out zoo model (benchmarks/zoo.py, compiled abstractly: nothing
 allocated) x mesh x cluster x memory budget (none, and fractions of the DP
@@ -127,6 +130,9 @@ def main(argv=None):
   ap.add_argument("--summarize", nargs="+", metavar="TXT",
                   help="print one table and summary from the outputs of "
                        "several runs (a split run: --models in parts)")
+  ap.add_argument("--resume", nargs="+", metavar="LOG", default=(),
+                  help="stderr logs of interrupted runs: the cases they "
+                       "finished are taken from them, not run again")
   args = ap.parse_args(argv)
   if args.exact_only:
     return _gaps_only(args)
@@ -144,18 +150,26 @@ def main(argv=None):
                float(r["xla_mem_gib"]) * 2**30 for r in csv.DictReader(f)
                if r["candidate"] == "dp" and r["budget"] == "-"
                and r["xla_mem_gib"]}
+  done = _logged_rows(args.resume)
   t0 = time.perf_counter()
   cases, cand_rows = [], []
   for name, case, mkey, mesh, ckey, cluster in case_grid(args):
     dp_peak = known.get((name, mkey, ckey))
-    if dp_peak is None and None not in fracs:
-      dp_peak = _dp_peak(case, mesh, cluster)
     for frac in fracs:
       if frac is not None and ckey not in args.budget_clusters.split(","):
         continue
-      budget = None if frac is None else frac * dp_peak
       head = dict(model=name, mesh=mkey, cluster=ckey,
                   budget=_budget_label(frac))
+      key = tuple(head.values())
+      if key in done:
+        cases.append(done[key])
+        print(f"[compare] {head}: finished in a resumed log",
+              file=sys.stderr)
+        _log_row(cases[-1])  # this log, too, holds every finished case
+        continue
+      if frac is not None and dp_peak is None:
+        dp_peak = _dp_peak(case, mesh, cluster)
+      budget = None if frac is None else frac * dp_peak
       print(f"[compare] {head}", file=sys.stderr, flush=True)
       try:
         plan = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
@@ -164,6 +178,7 @@ def main(argv=None):
       except ad.MemoryBudgetError as e:
         print(f"[compare]   no plan fits: {e}", file=sys.stderr)
         cases.append(dict(head, chosen="(none fits)"))
+        _log_row(cases[-1])
         continue
       sel = plan.selection
       cs = sel.candidates
@@ -194,6 +209,7 @@ def main(argv=None):
             chosen_ms=won.compiled.time_s * 1e3, search_fits=own.fits,
             pred_emit=pred_emit, search_s=plan.search_s,
             select_s=sel.compile_s, remat=won.compiled.remat_warnings))
+        _log_row(cases[-1])
         print(f"[compare]   chosen {cases[-1]['chosen']}: no textbook plan "
               "fits", file=sys.stderr, flush=True)
         continue
@@ -214,13 +230,15 @@ def main(argv=None):
           remat=won.compiled.remat_warnings,
           search_s=plan.search_s, select_s=sel.compile_s,
           exact_gap=gap, pairwise_gap=pairwise))
-      print(f"[compare]   row {json.dumps(cases[-1])}", file=sys.stderr)
+      _log_row(cases[-1])
       print(f"[compare]   chosen {cases[-1]['chosen']} "
             f"{cases[-1]['chosen_vs']:.3f} x best textbook "
             f"({book.name}); search's plan {cases[-1]['search_vs']:.3f}",
             file=sys.stderr, flush=True)
   _table(COLUMNS, cases)
   _summary(cases)
+  if not cand_rows:  # every case came from --resume: no candidate to write
+    return
   os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
   with open(args.csv, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(cand_rows[0]))
@@ -229,6 +247,27 @@ def main(argv=None):
   print(f"\nwrote {args.csv} (every candidate); "
         f"{time.perf_counter() - t0:.0f} s in all; jax {jax.__version__}, "
         f"autoddl_jax {ad.__version__}")
+
+
+_ROW = "[compare]   row "
+
+
+def _log_row(row: dict) -> None:
+  """One finished case on stderr, whole: what ``--resume`` reads back."""
+  print(_ROW + json.dumps(row), file=sys.stderr, flush=True)
+
+
+def _logged_rows(paths) -> dict[tuple, dict]:
+  """The finished cases in earlier runs' stderr logs, by (model, mesh,
+  cluster, budget); the last one logged wins."""
+  rows = {}
+  for path in paths:
+    with open(path) as f:
+      for ln in f:
+        if ln.startswith(_ROW):
+          r = json.loads(ln[len(_ROW):])
+          rows[r["model"], r["mesh"], r["cluster"], r["budget"]] = r
+  return rows
 
 
 def _exact_gaps(plan: ad.Plan, limit: float) -> tuple[str, str]:
