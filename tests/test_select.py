@@ -4,6 +4,7 @@ cluster, than a textbook plan written as a user writes it; every lowering
 selection may return computes the unsharded step."""
 
 import functools
+import json
 import os
 import sys
 
@@ -335,3 +336,28 @@ def test_a_plan_over_the_budget_by_memory_analysis_is_searched_again(
   assert won.fits and won.compiled.memory_bytes <= budget
   assert won.compiled.time_s == min(c.compiled.time_s
                                     for c in sel.candidates if c.fits)
+
+
+def test_compare_resumes_the_cases_an_interrupted_run_logged(tmp_path,
+                                                            capsys):
+  # benchmarks/compare.py --resume: a case logged as a row is taken from the
+  # log and not planned again (nothing here compiles: the one case the
+  # command line names is in the log), and the summary counts it.
+  import compare
+  row = {"model": "llama", "mesh": "8", "cluster": "1x8", "budget": "-",
+         "best_textbook": "dp", "textbook_ms": 10.0, "search_ms": 8.0,
+         "search_vs": 0.8, "search_fits": True, "chosen": "search (pinned)",
+         "chosen_ms": 8.0, "chosen_vs": 0.8, "pred_emit": 1.0, "remat": 0,
+         "search_s": 1.0, "select_s": 2.0, "exact_gap": "",
+         "pairwise_gap": ""}
+  log = tmp_path / "run.err"
+  log.write_text("[compare] {'model': 'llama'}\nW1203 a warning\n"
+                 f"[compare]   row {json.dumps(row)}\n")
+  assert compare._logged_rows([log]) == {("llama", "8", "1x8", "-"): row}
+  compare.main(["--size", "tiny", "--models", "llama", "--meshes", "8",
+                "--clusters", "1x8", "--budgets", "none", "--csv",
+                str(tmp_path / "c.csv"), "--resume", str(log)])
+  out, err = capsys.readouterr()
+  assert "geometric mean 0.800, worse on 0 of 1 cases" in out
+  assert "finished in a resumed log" in err
+  assert not (tmp_path / "c.csv").exists()  # no candidate compiled
