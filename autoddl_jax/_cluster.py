@@ -144,10 +144,10 @@ class MeshInfo:
   alpha: tuple[float, ...]  # per-axis latency, s
   beta: tuple[float, ...]  # per-axis bandwidth, bytes/s per device
   link: tuple[str, ...]  # "intra" | "inter" | "mixed"
-  # All-reduces costed with this view are combined by XLA with the others of
-  # their loop body (its AllReduceCombiner merges independent all-reduces
-  # into one): they pay bandwidth only, and the body pays the latency once
-  # (``Problem.evaluate``).
+  # All-reduces and reduce-scatters costed with this view are combined by
+  # XLA with the others of their kind in their loop body (its combiners
+  # merge independent ones into one): they pay bandwidth only, and the body
+  # pays each kind's latency once (``Problem.combined_latency``).
   combined: bool = False
 
   @property

@@ -48,10 +48,15 @@ from collections.abc import Sequence
 
 
 from autoddl_jax._cluster import MeshInfo
-from autoddl_jax._collectives import group_bytes, ring_bytes, seconds
+from autoddl_jax._collectives import group_bytes, latency_steps, ring_bytes
+from autoddl_jax._collectives import seconds
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
 INF = float("inf")
+# The kinds XLA's combiners merge for the tensors no contraction waits on (a
+# gradient's reduction; ``MeshInfo.combined``): each pays its latency once
+# per loop body and group (``Problem.combined_latency``), not per tensor.
+_COMBINED_KINDS = ("all-reduce", "reduce-scatter")
 
 
 def one_axis(src: int, dst: int, n: float, p: int, alpha: float,
@@ -160,8 +165,8 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None,
     n = nbytes / other
     dt, db, kind = one_axis(s, B if (s >= 0 and d == P) else d, n,
                             mi.axis_sizes[a], mi.alpha[a], mi.beta[a])
-    if kind == "all-reduce" and mi.combined:
-      dt -= 2 * mi.alpha[a] * (mi.axis_sizes[a] - 1)
+    if mi.combined and kind in _COMBINED_KINDS:
+      dt -= latency_steps(kind, mi.axis_sizes[a]) * mi.alpha[a]
     before = nbytes / split_factor(cur, mi.axis_sizes)
     group = _wide_all_to_all(cur, a, s, d)
     if group:

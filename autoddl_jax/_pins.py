@@ -305,7 +305,8 @@ class _Pinning:
         target = collections.Counter(wants).most_common(1)[0][0]
         aval = g.tensors[t].aval
         r = _regions.reductions(have, target, g.tensors[t].nbytes,
-                              tuple(aval.shape), self.mesh_info)
+                              tuple(aval.shape), self.mesh_info,
+                              t in self.problem.combined)
         if r is None:
           return None
         reduce[(key, s)] = r

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoddl_jax._cluster import Cluster, MeshInfo
+from autoddl_jax._collectives import latency_steps
 from autoddl_jax._cost import transition_steps
 from autoddl_jax._states import StateSpace, state_space
 from autoddl_jax._opgraph import OpGraph
@@ -57,10 +58,12 @@ class PlanCost:
 
 # Ops a tensor's value must reach for its all-reduce to be on the step's
 # critical path: the next layer's compute. Gradients of weights reach none
-# (only the optimizer's update), and XLA's AllReduceCombiner merges their
-# independent all-reduces: measured on the zoo (jax 0.10, CPU), DP's
-# gradient all-reduces become one per loop body and one outside, while
-# all-gathers and reduce-scatters stay one per tensor.
+# (only the optimizer's update), and XLA's combiners merge their independent
+# reductions: measured on the zoo (jax 0.10, CPU), DP's gradient all-reduces
+# become one per loop body and one outside, and so do FSDP's gradient
+# reduce-scatters (CPU writes each as an all-reduce and a dynamic-slice, and
+# combines them; a GPU runs its ReduceScatterCombiner), while all-gathers,
+# and reduce-scatters of activations, stay one per tensor.
 _COMPUTE = frozenset({"dot_general", "conv_general_dilated"})
 
 
@@ -298,10 +301,10 @@ class Problem(MemoryModel):
     return np.sort(first)
 
   def combined_latency(self, choice, keep=None) -> float:
-    """The latency XLA's AllReduceCombiner leaves, as a correction to the
-    edges' own: the combined all-reduces (see :func:`combined_tensors`,
-    costed without latency) pay it once per loop body (trip count) and group
-    of mesh axes; all-reduces on the critical path (costed with theirs) that
+    """The latency XLA's combiners leave, as a correction to the edges' own:
+    the combined all-reduces and reduce-scatters (see
+    :func:`combined_tensors`, costed without latency) pay it once per loop
+    body (trip count), group of mesh axes and kind; all-reduces on the critical path (costed with theirs) that
     do not depend on each other -- a BatchNorm's mean and mean of squares,
     the statistics of parallel branches -- are merged too, so each one that
     joins an earlier one gives its latency back."""
@@ -316,14 +319,15 @@ class Problem(MemoryModel):
         continue
       for kind, axes, _ in transition_steps(src, dst, e.space.nbytes,
                                             e.space.shape, mi):
-        if kind == "all-reduce":
-          axes = axes if isinstance(axes, tuple) else (axes,)
-          p = int(np.prod([mi.axis_sizes[a] for a in axes]))
-          t = 2 * (p - 1) * max(mi.alpha[a] for a in axes) * e.weight
-          if e.tensor in self.combined:
-            groups[(e.weight, axes)] = t
-          else:
-            critical.setdefault((e.tensor, e.weight, axes), t)
+        if kind not in ("all-reduce", "reduce-scatter"):
+          continue
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        p = int(np.prod([mi.axis_sizes[a] for a in axes]))
+        t = latency_steps(kind, p) * max(mi.alpha[a] for a in axes) * e.weight
+        if e.tensor in self.combined:
+          groups[(e.weight, axes, kind)] = t
+        elif kind == "all-reduce":
+          critical.setdefault((e.tensor, e.weight, axes), t)
     return float(sum(groups.values())) - self._merged_latency(critical)
 
   def _merged_latency(self, critical) -> float:

@@ -43,9 +43,14 @@ REGION_OPS = LOCAL_REDUCE | frozenset({
     "mul", "div", "add", "sub", "add_any", "squeeze", "copy",
     "select_n", "split", "concatenate", "cumsum"})
 
-# A local step on a block: ("psum" | "psum_scatter" | "slice" | "own",
-# mesh axes, dim). "own" makes a whole value a partial sum over its axes
-# (the first device keeps it, the others hold zeros: B -> P).
+# A local step on a block: ("psum" | "psum_scatter" | "psum_slice" |
+# "slice" | "own", mesh axes, dim). "own" makes a whole value a partial sum
+# over its axes (the first device keeps it, the others hold zeros: B -> P).
+# "psum_slice" is a reduce-scatter written as a psum and the device's slice
+# of it: how a gradient's is written (``Problem.combined``), because XLA's
+# combiners merge those into one collective per loop body (on CPU an
+# all-reduce whose readers slice; a GPU turns it into a reduce-scatter and
+# combines those), where native reduce-scatters stay one per tensor on CPU.
 Reduction = tuple[str, tuple[str, ...], "int | None"]
 
 
@@ -65,11 +70,12 @@ def runs_local(prim: str, cand: Sequence[Codes]) -> bool:
 
 
 def reductions(have: Codes, target: Codes, nbytes: float,
-               shape: tuple[int, ...], mi: Any
+               shape: tuple[int, ...], mi: Any, combined: bool = False
                ) -> tuple[list[Reduction], PartitionSpec] | None:
   """The partial sums of ``have`` reduced toward ``target`` along the cost
   model's path (``_cost.transition_states``), up to its last reduction:
-  ``("psum", axes, None)``, ``("psum_scatter", (axis,), dim)`` or a free
+  ``("psum", axes, None)``, ``("psum_scatter", (axis,), dim)`` (or
+  ``"psum_slice"`` when the tensor's reductions are ``combined``) or a free
   ``("slice", (axis,), dim)`` per step, and the spec of the result (its dims'
   axes in the order the steps tiled them: a scatter against the mesh order
   is left for the next constraint to permute, as the model charges it).
@@ -100,7 +106,8 @@ def reductions(have: Codes, target: Codes, nbytes: float,
       steps.append(("psum", tuple(names[a] for a in reduce_to_b), None))
     for a in changed:
       if cur[a] == P_CODE and st[a] >= 0:
-        steps.append(("psum_scatter", (names[a],), st[a]))
+        steps.append(("psum_slice" if combined else "psum_scatter",
+                      (names[a],), st[a]))
         tiles[st[a]].append(names[a])
     cur = st
   if P_CODE in cur:
@@ -191,6 +198,11 @@ def _apply_reductions(x, steps: Sequence[Reduction], mesh: Mesh):
       x = lax.psum(x, axes)
     elif kind == "psum_scatter":
       x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    elif kind == "psum_slice":
+      x = lax.psum(x, axes)
+      n = x.shape[dim] // mesh.shape[axes[0]]
+      x = lax.dynamic_slice_in_dim(x, lax.axis_index(axes[0]) * n, n,
+                                   axis=dim)
     elif kind == "own":  # a whole value as a partial sum: one addend
       keep = functools.reduce(operator.and_, [lax.axis_index(a) == 0
                                               for a in axes])

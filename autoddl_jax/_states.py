@@ -26,7 +26,8 @@ from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
 def _one_axis_vec(s, d, n, p, alpha, beta, combined=False):
   """:func:`one_axis` over arrays of (src, dst) codes and group bytes
-  (``combined``: all-reduces without their latency, see MeshInfo)."""
+  (``combined``: all-reduces and reduce-scatters without their latency,
+  see MeshInfo)."""
   if p == 1:
     return np.zeros(s.shape), np.zeros(s.shape)
   gather_b = group_bytes("all-gather", p, n)
@@ -44,7 +45,8 @@ def _one_axis_vec(s, d, n, p, alpha, beta, combined=False):
   t = np.where(ar, seconds("all-reduce", p, ar_b, alpha, beta)
                - (2 * alpha * (p - 1) if combined else 0.0), t)
   b = np.where(ar, ar_b, b)
-  t = np.where(rs | ag, gather_t, t)
+  t = np.where(ag, gather_t, t)
+  t = np.where(rs, gather_t - (alpha * (p - 1) if combined else 0.0), t)
   b = np.where(rs | ag, gather_b, b)
   a2a_b = group_bytes("all-to-all", p, n)
   t = np.where(a2a, seconds("all-to-all", p, a2a_b, alpha, beta), t)

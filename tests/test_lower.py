@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import autoddl_jax as ad
 from autoddl_jax import _hlo, _pins
+from conftest import TEST_CLUSTER
 from helpers import make_mesh, rel_err
 
 CLUSTER = ad.Cluster(devices_per_node=8, intra_node_bandwidth=1e9,
@@ -226,3 +227,53 @@ def test_readers_of_one_value_share_its_reshard():
   got, want = plan.jit()(params, opt, x), jax.jit(step)(params, opt, x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert rel_err(g, w) <= 1e-5
+
+
+def _adam_step(params, opt, x):
+  # An FSDP step in miniature: layers in a scan, and an Adam-like update that
+  # reads each gradient twice (its moment and its square).
+  def loss(p):
+    h = jnp.tanh(x @ p["w_in"])
+    h = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, p["layers"])[0]
+    return jnp.mean((h @ p["w_out"]) ** 2)
+  g = jax.grad(loss)(params)
+  mu = jax.tree.map(lambda m, d: 0.9 * m + 0.1 * d, opt["mu"], g)
+  nu = jax.tree.map(lambda v, d: 0.99 * v + 0.01 * d * d, opt["nu"], g)
+  new = jax.tree.map(lambda p, m, v: p - 0.01 * m / (jnp.sqrt(v) + 1e-8),
+                     params, mu, nu)
+  return new, {"mu": mu, "nu": nu}
+
+
+def test_gradient_reduce_scatters_are_combined_and_costed_so():
+  # FSDP: each weight gradient is a partial sum over the batch's axis that
+  # the optimizer wants split. Reduced as a psum and the device's slice, XLA
+  # merges them into one collective per loop body (and one outside), as it
+  # merges DP's all-reduces, and reads as reduce-scatters; the model prices
+  # them that way (one latency per group), so the completion reduce-scatters
+  # every gradient rather than all-reducing the small ones and slicing.
+  mesh = make_mesh((8,), explicit=False)
+  ks = jax.random.split(jax.random.key(3), 4)
+  params = {"w_in": jax.random.normal(ks[0], (32, 64)) / 6,
+            "layers": jax.random.normal(ks[1], (3, 64, 64)) / 8,
+            "w_out": jax.random.normal(ks[2], (64, 16)) / 8}
+  opt = {"mu": jax.tree.map(jnp.zeros_like, params),
+         "nu": jax.tree.map(jnp.ones_like, params)}
+  x = jax.random.normal(ks[3], (64, 32))
+  fsdp = {"w_in": P("data", None), "layers": P(None, "data", None),
+          "w_out": P("data", None)}
+  plan = ad.hand_plan(_adam_step, params, opt, x, mesh=mesh,
+                      cluster=TEST_CLUSTER, in_shardings=(fsdp, {"mu": fsdp, "nu": fsdp},
+                                    P("data", None)))
+  compiled = plan.jit().lower(params, opt, x).compile()
+  got = compiled(params, opt, x)
+  want = jax.jit(_adam_step)(params, opt, x)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(a, b) <= 1e-5
+  v = plan.verify()
+  for kind, (pred, emitted) in v.by_kind.items():
+    assert pred == pytest.approx(emitted, rel=0.01), (kind, v.by_kind)
+  rs = [c for c in _hlo.collectives(compiled) if c.kind == "reduce-scatter"]
+  # The three weights' gradients: one collective in the backward loop's
+  # body, one for the two outside it.
+  assert sorted(len(c.shapes) for c in rs) == [1, 2], rs
+  assert v.emitted_comm_s == pytest.approx(plan.cost.comm_s, rel=0.01)
