@@ -16,6 +16,11 @@ S(i) -> S(j)       all-to-all       alpha (p-1) + (p-1)/p^2 * n/beta
 S -> P             all-gather       (as S -> B, then local)
 =================  ===============  =========================================
 
+A tensor no contraction waits on (a weight's gradient: ``Problem.combined``)
+is reduced by collectives XLA combines with the others of their loop body:
+its all-reduces and reduce-scatters pay bandwidth only here, and each group
+(trip count, mesh axes, kind) pays one latency (``Problem.combined_latency``).
+
 Bytes are ring-model bytes *sent per device*. When two nd-SBPs differ on
 several axes, the cost is the cheapest order of one-axis steps (the lowering
 pins each step, so XLA takes the same path), as XLA runs them -- the ground

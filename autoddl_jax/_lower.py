@@ -26,8 +26,14 @@ traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
   (grouped-query attention's backward: an all-reduce of the whole per-head
   gradient where the plan reduces after the head-group sum) and its dot
   partitioner often all-reduces and permutes where the plan costed a
-  reduce-scatter. A chain whose result is wanted before it ends is split in
-  regions, the partial sum handed on stacked (:func:`stacked_spec`). A
+  reduce-scatter. A gradient's reduce-scatter (a tensor no contraction
+  waits on: ``Problem.combined``) is written as a ``psum`` and the
+  device's slice of it, so that XLA combines them, one collective per loop
+  body, as the model charges (XLA:CPU leaves each ``psum_scatter`` a
+  collective of its own; a GPU turns the psum and slice into a
+  reduce-scatter and combines those). A chain whose result is wanted
+  before it ends is split in regions, the partial sum handed on stacked
+  (:func:`stacked_spec`). A
   chain the lowering cannot write is left to XLA.
 * the step's results, staged into the layout they leave ``jax.jit`` in
   (left to ``out_shardings``, the reshard is one step);
