@@ -2,6 +2,11 @@
 
     python benchmarks/fidelity.py [--models llama,vit] [--meshes 8,2x4]
                                   [--clusters 2x4,1x8] [--size realistic]
+                                  [--resume LOG ...]
+
+(``--resume`` takes the cases an interrupted run finished from its stderr
+log -- every finished case is logged as one JSON ``case`` line -- and runs
+the rest.)
 
 For each zoo model (benchmarks/zoo.py, compiled abstractly: nothing
 allocated) x mesh x cluster, and each plan -- the textbook plans DP, FSDP and
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import math
 import os
 import re
@@ -160,6 +166,9 @@ def main(argv=None):
                   help="merge the tables of runs split by --models (this "
                        "script's printed output) into one table and summary; "
                        "nothing is compiled")
+  ap.add_argument("--resume", nargs="+", metavar="LOG", default=(),
+                  help="stderr logs of interrupted runs: the cases they "
+                       "finished are taken from them, not run again")
   args = ap.parse_args(argv)
   if args.summarize:
     rows, taus, dp_rows = [], [], []
@@ -170,9 +179,18 @@ def main(argv=None):
     return
   t0 = time.perf_counter()
   rows, taus, dp_rows = [], [], []
+  done = _logged_cases(args.resume)
   for name, case, mkey, mesh, ckey, cluster in case_grid(args):
     print(f"[fidelity] {name} mesh {mkey} cluster {ckey}",
           file=sys.stderr, flush=True)
+    logged = done.get((name, mkey, ckey))
+    if logged is not None:
+      print("[fidelity]   finished in a resumed log", file=sys.stderr)
+      _log_case(logged)  # this log, too, holds every finished case
+      rows += logged["rows"]
+      taus.append(logged["tau"])
+      dp_rows.append(logged["dp"])
+      continue
     ours = ad.plan(case.step, *case.args, mesh=mesh, cluster=cluster,
                    verbose=False)
     plans = {k: ad.hand_plan(case.step, *case.args, mesh=mesh,
@@ -194,8 +212,34 @@ def main(argv=None):
     for r in case_rows:
       r["tau"] = taus[-1]
     rows += case_rows
+    _log_case(dict(rows=case_rows, tau=taus[-1], dp=dp_rows[-1]))
   _report(rows, taus, dp_rows)
   print(f"{time.perf_counter() - t0:.0f} s in all; jax {jax.__version__}")
+
+
+_CASE = "[fidelity]   case "
+
+
+def _log_case(case: dict) -> None:
+  """One finished case on stderr, whole: what ``--resume`` reads back."""
+  print(_CASE + json.dumps(case), file=sys.stderr, flush=True)
+
+
+def _logged_cases(paths) -> dict[tuple, dict]:
+  """The finished cases in earlier runs' stderr logs, by (model, mesh,
+  cluster); the last one logged wins."""
+  cases = {}
+  for path in paths:
+    with open(path) as f:
+      for ln in f:
+        if ln.startswith(_CASE):
+          c = json.loads(ln[len(_CASE):])
+          for r in c["rows"]:  # JSON has no tuples
+            r["by_kind"] = {k: tuple(v) for k, v in r["by_kind"].items()}
+            r["flops"], r["mem"] = tuple(r["flops"]), tuple(r["mem"])
+          d = c["dp"]
+          cases[d["model"], d["mesh"], d["cluster"]] = c
+  return cases
 
 
 def _report(rows, taus, dp_rows):

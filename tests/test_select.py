@@ -308,6 +308,33 @@ def test_fidelity_merges_split_runs_into_the_summary_of_one(tmp_path,
   assert want in out, (want, out[-600:])
 
 
+def test_fidelity_resumes_the_cases_an_interrupted_run_logged(tmp_path,
+                                                             capsys):
+  # benchmarks/fidelity.py --resume: a case logged whole is taken from the
+  # log, not planned or compiled again, and the summary counts it.
+  import fidelity
+  rows = [dict(model="llama", mesh="8", cluster="1x8", plan=name,
+               pred_ms=ms, xla_ms=ms * 1.05,
+               by_kind={"all-reduce": [2.0**20, 2.0**20]},
+               flops=[1e9, 1e9], mem=[2.0**30, 1.5 * 2**30], tau=1.0)
+          for name, ms in (("dp", 10.0), ("fsdp", 12.0), ("megatron", 11.0),
+                           ("autoddl", 9.0))]
+  case = dict(rows=rows, tau=1.0, dp=dict(model="llama", mesh="8",
+                                          cluster="1x8", pred_ms=10.0,
+                                          xla_ms=10.0))
+  log = tmp_path / "run.err"
+  log.write_text("[fidelity] llama mesh 8 cluster 1x8\nW1203 a warning\n"
+                 f"[fidelity]   case {json.dumps(case)}\n")
+  fidelity.main(["--size", "tiny", "--models", "llama", "--meshes", "8",
+                 "--clusters", "1x8", "--resume", str(log)])
+  out, err = capsys.readouterr()
+  assert ("fidelity: time within 15% on 4/4 plans, bytes by kind within 10% "
+          "on 4/4, peak memory within 30% on 0/4; Kendall tau >= 0.8 in 1/1 "
+          "cases (mean +1.00)") in out, out[-800:]
+  assert "finished in a resumed log" in err
+  assert err.count("[fidelity]   case ") == 1  # logged again, for a resume
+
+
 def test_a_plan_over_the_budget_by_memory_analysis_is_searched_again(
     monkeypatch):
   # The model's memory is an estimate. Here it is made to under-count by
