@@ -27,6 +27,7 @@ import jax
 
 from autoddl_jax._collectives import KINDS, ring_bytes, seconds
 from autoddl_jax._replica_groups import group_axes, parse_groups
+from autoddl_jax._sliced import loop_carried, operands, sliced_elements
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -105,7 +106,7 @@ def _read(text: str):
       type_str, op = _split_type(rest)
       types[name], ops[name] = type_str, op
       comps[cur].append((name, type_str, op))
-      for operand in _operands(op):
+      for operand in operands(op):
         users.setdefault(operand, []).append(name)
   return comps, types, ops, users, entry
 
@@ -117,7 +118,7 @@ def parse_hlo(text: str, num_devices: int,
   program's mesh (device positions = positions in ``mesh.devices.flat``)."""
   comps, types, ops, users, entry = _read(text)
   mult = _multiplicities(comps, entry)
-  carried = _loop_carried(comps, ops)
+  carried = loop_carried(comps, ops)
   out = []
   for c, instrs in comps.items():
     for name, type_str, op in instrs:
@@ -128,7 +129,7 @@ def parse_hlo(text: str, num_devices: int,
       res = _arrays(type_str)
       if opcode.endswith("-start") and kind != "all-reduce":
         res = res[len(res) // 2:] if len(res) > 1 else res
-      operand_names = _operands(op)
+      operand_names = operands(op)
       opnds = [a for n in operand_names for a in _arrays(types.get(n, ""))]
       attrs = op[op.index(")"):] if ")" in op else ""
       groups = parse_groups(attrs, num_devices)
@@ -151,7 +152,7 @@ def parse_hlo(text: str, num_devices: int,
       # may then merge such all-reduces with plain ones into one tuple (a
       # GPU makes the reduce-scatters first and combines each kind apart):
       # each element is read by what its users keep.
-      sliced = _sliced_elements(name, len(res), users, ops, types, carried)
+      sliced = sliced_elements(name, len(res), users, ops, types, carried)
       for as_rs in (False, True):
         part = [i for i in range(len(res)) if sliced[i] == as_rs]
         if part:
@@ -175,118 +176,6 @@ def _collective(kind, res, opnds, *, upcast, lowered_as=None, **common
       bytes_per_device=hlo_bytes / 2 if upcast else hlo_bytes,
       upcast=upcast, hlo_bytes_per_device=hlo_bytes, lowered_as=lowered_as,
       **common)
-
-
-_GTE_INDEX = re.compile(r"get-tuple-element\(%[^\s,)]+\), index=(\d+)")
-
-
-def _sliced_elements(name: str, n: int, users: dict[str, list[str]],
-                     ops: dict[str, str], types: dict[str, str],
-                     carried: dict[str, str]) -> list[bool]:
-  """Per result element of an all-reduce, whether every user keeps only the
-  device's slice of it (a tuple's elements are read through their
-  get-tuple-elements; any other user of the tuple reads it whole)."""
-  if n == 1:
-    return [_only_sliced(name, users, ops, types, carried)]
-  readers: dict[int, list[str]] = {}
-  for u in users.get(name, []):
-    m = _GTE_INDEX.match(ops.get(u, ""))
-    if m is None:
-      return [False] * n
-    readers.setdefault(int(m.group(1)), []).append(u)
-  return [bool(readers.get(i)) and
-          all(_only_sliced(u, users, ops, types, carried)
-              for u in readers[i])
-          for i in range(n)]
-
-
-_PASS_THROUGH = ("get-tuple-element", "bitcast", "copy", "reshape")
-
-
-def _only_sliced(name: str, users: dict[str, list[str]],
-                 ops: dict[str, str], types: dict[str, str],
-                 carried: dict[str, str]) -> bool:
-  """Whether every user of ``name`` slices it by the device's partition id."""
-  us = users.get(name, [])
-  if not us:
-    return False
-  for u in us:
-    op = ops.get(u, "")
-    if op.startswith("dynamic-slice("):
-      continue
-    if op.split("(", 1)[0] in _PASS_THROUGH:  # look through to their users
-      if _only_sliced(u, users, ops, types, carried):
-        continue
-      return False
-    if op.startswith("fusion(") and any(
-        _device_index(o, ops, types, carried) for o in _operands(op)):
-      continue
-    return False
-  return True
-
-
-def _device_index(name: str, ops: dict[str, str], types: dict[str, str],
-                  carried: dict[str, str], depth: int = 4) -> bool:
-  """Whether ``name`` is the partition id or a scalar index computed from it
-  by a few ops (``shard_map``'s ``axis_index`` times the block size is a
-  fusion of the partition id, read by the fusion that slices; in a loop
-  body, XLA hoists it out of the loop and carries it in: ``carried``)."""
-  op = ops.get(name, "")
-  if op.startswith("partition-id("):
-    return True
-  if (depth == 0 or not re.fullmatch(r"[su]\d+\[\]", types.get(name, ""))):
-    return False
-  if name in carried:
-    return _device_index(carried[name], ops, types, carried, depth - 1)
-  if op.split("(", 1)[0] not in _INDEX_MATH:
-    return False
-  return any(_device_index(o, ops, types, carried, depth - 1)
-             for o in _operands(op))
-
-
-def _loop_carried(comps, ops: dict[str, str]) -> dict[str, str]:
-  """{a loop body's read of its carry (a get-tuple-element of its
-  parameter): the value the loop was entered with}, where the loop's
-  initial carry is a tuple written out."""
-  out: dict[str, str] = {}
-  for instrs in comps.values():
-    for _, _, op in instrs:
-      if not op.startswith("while("):
-        continue
-      body = re.search(r"body=%([^\s,}]+)", op)
-      init = _operands(op)
-      if body is None or not init or \
-          not ops.get(init[0], "").startswith("tuple("):
-        continue
-      elems = _operands(ops[init[0]])
-      params = {n for n, _, o in comps.get(body.group(1), [])
-                if o.startswith("parameter(")}
-      for n, _, o in comps.get(body.group(1), []):
-        m = _GTE_INDEX.match(o)
-        if m and _operands(o)[:1] and _operands(o)[0] in params and \
-            int(m.group(1)) < len(elems):
-          out[n] = elems[int(m.group(1))]
-  return out
-
-
-# Ops an index is computed with (on scalars): what lies between the
-# partition id and a dynamic-slice's start index.
-_INDEX_MATH = ("fusion", "convert", "multiply", "add", "subtract", "divide",
-               "remainder", "select", "compare", "bitcast", "copy", "clamp")
-
-
-def _operands(op: str) -> list[str]:
-  """Names of an instruction's operands (inside its first parentheses)."""
-  i = op.find("(")
-  if i < 0:
-    return []
-  depth = 0
-  for j in range(i, len(op)):
-    depth += op[j] == "("
-    depth -= op[j] == ")"
-    if depth == 0:
-      return re.findall(r"%([^\s,)]+)", op[i + 1:j])
-  return []
 
 
 def _is_bf16_convert(op: str, type_str: str) -> bool:
@@ -337,7 +226,7 @@ def _dot_flops(type_str: str, op: str, types: dict[str, str]) -> float:
   """FLOPs of one dot or convolution instruction (multiply-adds x 2)."""
   opcode = op.split("(", 1)[0]
   out = math.prod(_dims(type_str))
-  opnds = _operands(op)
+  opnds = operands(op)
   if opcode == "dot" and opnds:
     lhs = _dims(types.get(opnds[0], ""))
     m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", op)

@@ -21,6 +21,7 @@ import numpy as np
 from autoddl_jax._cost import one_axis
 from autoddl_jax._states import state_space
 from autoddl_jax._rules import ELEMENTWISE_FLOP
+from autoddl_jax._sbp import P_CODE
 
 MEMORY_ALIAS_OPS = ("~link", "~merge", "~barrier")  # outputs alias inputs
 # Ops XLA fuses into their consumer (loop fusion): a result of one read by a
@@ -142,7 +143,35 @@ class MemoryModel:
       g = groups.setdefault((e.tensor, int(dst)), [
           float(e.space.local_bytes[dst]), first, last])
       g[1], g[2] = min(g[1], first), max(g[2], last)
-    return [tuple(v) for v in groups.values()]
+    return [tuple(v) for v in groups.values()] + self._combined_buffers(ch)
+
+  def _combined_buffers(self, ch) -> list[tuple[float, int, int]]:
+    """A gradient's reduce-scatter is combined with the others of its loop
+    body (``Problem.combined``; the lowering writes it as a psum and a
+    slice, which XLA merges into one all-reduce): each whole partial sum
+    waits for that one collective, after the body's last gradient, not for
+    its own. (bytes, from its reduction, to the group's last) per
+    reduction; a reduction to replicated keeps the whole tensor anyway."""
+    red = []
+    for e in self.edges:
+      if e.tensor not in self.combined or \
+          self.graph.ops[e.cons].kind == "output":
+        continue
+      src = e.space.states[self.slot_idx[e.prod][e.prod_slot][ch[e.prod]]]
+      dst = e.space.states[self.slot_idx[e.cons][e.cons_slot][ch[e.cons]]]
+      if any(a == P_CODE and b >= 0 for a, b in zip(src, dst)):
+        at = int(self._read_at[e.cons][0])
+        red.append((e.weight, e.tensor, float(
+            e.space.local_bytes[e.space.index[src]]), at))
+    end: dict[float, int] = {}
+    for w, _, _, at in red:
+      end[w] = max(end.get(w, at), at)
+    seen, out = set(), []
+    for w, t, nb, at in red:
+      if t not in seen and end[w] > at:
+        seen.add(t)
+        out.append((nb, at, end[w]))
+    return out
 
   def _live_bytes(self, choice: Sequence[int]) -> np.ndarray:
     """Bytes per device of each live-range entry (``self._live``) under

@@ -206,8 +206,11 @@ def test_a_users_own_checkpoint_is_planned_as_written():
   mesh = make_mesh((8,), explicit=False)
   base = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
                  memory_budget=float("inf"))
+  # A budget just under the unbudgeted plan's peak (the leanest plan it
+  # has is ~1% under it): the budget's search runs, and adds no remat.
   p = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
-              memory_budget=0.9 * base.cost.memory_bytes)
+              memory_budget=0.99 * base.cost.memory_bytes)
+  assert p.cost.memory_bytes <= 0.99 * base.cost.memory_bytes
   assert p.remat == "none"
 
 
@@ -346,10 +349,11 @@ def test_a_donating_step_writes_its_new_state_over_the_old():
   state = sum(x.nbytes for x in jax.tree.leaves(args[:2])) / 8
   saved = kept.cost.memory_bytes - p.cost.memory_bytes
   # The state is split over the 8 devices in this plan; what it returns of
-  # it no longer needs its own allocation.
-  assert saved == pytest.approx(p.memory_by_category()["parameters"] +
-                                p.memory_by_category()["optimizer state"],
-                                rel=0.01)
+  # it no longer needs its own allocation: of the results, the loss is
+  # left. (The peak saves less than that when it moves to another point.)
+  cats, cats0 = p.memory_by_category(), kept.memory_by_category()
+  assert cats0["results"] - cats["results"] == pytest.approx(
+      cats["parameters"] + cats["optimizer state"], rel=0.01)
   assert 0 < saved <= state * 1.01
   v, v0 = p.verify(), kept.verify()
   assert v.xla_memory < v0.xla_memory
