@@ -304,10 +304,11 @@ class Problem(MemoryModel):
     """The latency XLA's combiners leave, as a correction to the edges' own:
     the combined all-reduces and reduce-scatters (see
     :func:`combined_tensors`, costed without latency) pay it once per loop
-    body (trip count), group of mesh axes and kind; all-reduces on the critical path (costed with theirs) that
-    do not depend on each other -- a BatchNorm's mean and mean of squares,
-    the statistics of parallel branches -- are merged too, so each one that
-    joins an earlier one gives its latency back."""
+    body (trip count), group of mesh axes and kind; all-reduces on the
+    critical path (costed with theirs) that do not depend on each other --
+    a BatchNorm's mean and mean of squares, the statistics of parallel
+    branches -- are merged too, so each one that joins an earlier one gives
+    its latency back."""
     ch = np.asarray(choice, dtype=np.int64)
     keep = self.distinct_reshards(ch) if keep is None else keep
     mi, groups, critical = self.mi, {}, {}
