@@ -188,7 +188,7 @@ class _Pinning:
     cost model's path takes them; None if it takes more (or a split of a
     dim that is split already: out of tile order)."""
     names = self.mesh_info.axis_names
-    cut, red = [], []
+    cut, red, gather = [], [], []
     for a, (h, w) in enumerate(zip(have, want)):
       if h == w:
         continue
@@ -202,9 +202,13 @@ class _Pinning:
         red.append(("psum", (names[a],), None))
       elif h == P and w >= 0:
         red.append(("psum_scatter", (names[a],), w))
+      elif h >= 0 and w == B and list(have).count(h) == 1:
+        # a dim split on this axis alone, gathered while another axis keeps
+        # the partial sum (the MoE's expert activations under FSDP)
+        gather.append(("all_gather", (names[a],), h))
       else:
         return None
-    return (*cut, *red)
+    return (*cut, *red, *gather)
 
   def _chain(self, ids, key_of, codes) -> list[_regions.Region] | None:
     """A chain of partial-sum ops as regions in program order: a region

@@ -44,8 +44,10 @@ REGION_OPS = LOCAL_REDUCE | frozenset({
     "select_n", "split", "concatenate", "cumsum"})
 
 # A local step on a block: ("psum" | "psum_scatter" | "psum_slice" |
-# "slice" | "own", mesh axes, dim). "own" makes a whole value a partial sum
-# over its axes (the first device keeps it, the others hold zeros: B -> P).
+# "slice" | "own" | "all_gather", mesh axes, dim). "own" makes a whole value
+# a partial sum over its axes (the first device keeps it, the others hold
+# zeros: B -> P); "all_gather" makes a split dim whole while another axis
+# keeps the partial sum.
 # "psum_slice" is a reduce-scatter written as a psum and the device's slice
 # of it: how a gradient's is written (``Problem.combined``), because XLA's
 # combiners merge those into one collective per loop body (on CPU an
@@ -198,6 +200,8 @@ def _apply_reductions(x, steps: Sequence[Reduction], mesh: Mesh):
       x = lax.psum(x, axes)
     elif kind == "psum_scatter":
       x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    elif kind == "all_gather":  # a split dim made whole, still partial
+      x = lax.all_gather(x, axes[0], axis=dim, tiled=True)
     elif kind == "psum_slice":
       x = lax.psum(x, axes)
       n = x.shape[dim] // mesh.shape[axes[0]]
