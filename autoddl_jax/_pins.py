@@ -184,9 +184,11 @@ class _Pinning:
     """The local steps that take a partial sum made inside a chain from
     ``have`` to the layout ``want`` of a consumer inside it: free slices
     (and shares: B -> P) of replicated axes first, then reductions of the
-    partial axes it no longer keeps (``psum``, ``psum_scatter``), as the
-    cost model's path takes them; None if it takes more (or a split of a
-    dim that is split already: out of tile order)."""
+    partial axes it no longer keeps (``psum``, ``psum_scatter``), then
+    gathers of dims split on one axis alone (``all_gather``: the other
+    axes may keep their partial sums), as the cost model's path takes
+    them; None if it takes more (or a split of a dim that is split
+    already: out of tile order)."""
     names = self.mesh_info.axis_names
     cut, red, gather = [], [], []
     for a, (h, w) in enumerate(zip(have, want)):
