@@ -157,12 +157,12 @@ class MemoryModel:
       if e.tensor not in self.combined or \
           self.graph.ops[e.cons].kind == "output":
         continue
-      src = e.space.states[self.slot_idx[e.prod][e.prod_slot][ch[e.prod]]]
+      k = self.slot_idx[e.prod][e.prod_slot][ch[e.prod]]
+      src = e.space.states[k]
       dst = e.space.states[self.slot_idx[e.cons][e.cons_slot][ch[e.cons]]]
       if any(a == P_CODE and b >= 0 for a, b in zip(src, dst)):
         at = int(self._read_at[e.cons][0])
-        red.append((e.weight, e.tensor, float(
-            e.space.local_bytes[e.space.index[src]]), at))
+        red.append((e.weight, e.tensor, float(e.space.local_bytes[k]), at))
     end: dict[float, int] = {}
     for w, _, _, at in red:
       end[w] = max(end.get(w, at), at)

@@ -61,6 +61,7 @@ from autoddl_jax._verify import CompiledScore, compile_plan  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo  # noqa: E402
 from fidelity import CLUSTERS, MESHES, case_grid  # noqa: E402 (same cases)
+from fidelity import logged  # noqa: E402 (the same resume log format)
 
 
 COLUMNS = ["model", "mesh", "cluster", "budget", "best_textbook",
@@ -260,14 +261,8 @@ def _log_row(row: dict) -> None:
 def _logged_rows(paths) -> dict[tuple, dict]:
   """The finished cases in earlier runs' stderr logs, by (model, mesh,
   cluster, budget); the last one logged wins."""
-  rows = {}
-  for path in paths:
-    with open(path) as f:
-      for ln in f:
-        if ln.startswith(_ROW):
-          r = json.loads(ln[len(_ROW):])
-          rows[r["model"], r["mesh"], r["cluster"], r["budget"]] = r
-  return rows
+  return {(r["model"], r["mesh"], r["cluster"], r["budget"]): r
+          for r in logged(paths, _ROW)}
 
 
 def _exact_gaps(plan: ad.Plan, limit: float) -> tuple[str, str]:

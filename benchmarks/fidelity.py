@@ -225,20 +225,26 @@ def _log_case(case: dict) -> None:
   print(_CASE + json.dumps(case), file=sys.stderr, flush=True)
 
 
+def logged(paths, prefix: str):
+  """The JSON objects logged after ``prefix`` in earlier runs' stderr logs,
+  in order (what ``--resume`` reads here and in compare.py)."""
+  for path in paths:
+    with open(path) as f:
+      for ln in f:
+        if ln.startswith(prefix):
+          yield json.loads(ln[len(prefix):])
+
+
 def _logged_cases(paths) -> dict[tuple, dict]:
   """The finished cases in earlier runs' stderr logs, by (model, mesh,
   cluster); the last one logged wins."""
   cases = {}
-  for path in paths:
-    with open(path) as f:
-      for ln in f:
-        if ln.startswith(_CASE):
-          c = json.loads(ln[len(_CASE):])
-          for r in c["rows"]:  # JSON has no tuples
-            r["by_kind"] = {k: tuple(v) for k, v in r["by_kind"].items()}
-            r["flops"], r["mem"] = tuple(r["flops"]), tuple(r["mem"])
-          d = c["dp"]
-          cases[d["model"], d["mesh"], d["cluster"]] = c
+  for c in logged(paths, _CASE):
+    for r in c["rows"]:  # JSON has no tuples
+      r["by_kind"] = {k: tuple(v) for k, v in r["by_kind"].items()}
+      r["flops"], r["mem"] = tuple(r["flops"]), tuple(r["mem"])
+    d = c["dp"]
+    cases[d["model"], d["mesh"], d["cluster"]] = c
   return cases
 
 
