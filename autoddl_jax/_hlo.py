@@ -27,7 +27,8 @@ import jax
 
 from autoddl_jax._collectives import KINDS, ring_bytes, seconds
 from autoddl_jax._replica_groups import group_axes, parse_groups
-from autoddl_jax._sliced import loop_carried, operands, sliced_elements
+from autoddl_jax._sliced import Program, loop_carried, operands
+from autoddl_jax._sliced import sliced_elements
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -118,7 +119,7 @@ def parse_hlo(text: str, num_devices: int,
   program's mesh (device positions = positions in ``mesh.devices.flat``)."""
   comps, types, ops, users, entry = _read(text)
   mult = _multiplicities(comps, entry)
-  carried = loop_carried(comps, ops)
+  prog = Program(comps, users, ops, types, loop_carried(comps, ops))
   out = []
   for c, instrs in comps.items():
     for name, type_str, op in instrs:
@@ -152,7 +153,7 @@ def parse_hlo(text: str, num_devices: int,
       # may then merge such all-reduces with plain ones into one tuple (a
       # GPU makes the reduce-scatters first and combines each kind apart):
       # each element is read by what its users keep.
-      sliced = sliced_elements(name, len(res), users, ops, types, carried)
+      sliced = sliced_elements(name, len(res), common["group_size"], prog)
       for as_rs in (False, True):
         part = [i for i in range(len(res)) if sliced[i] == as_rs]
         if part:

@@ -7,73 +7,156 @@ counts it as the reduce-scatter a GPU emits)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 
 _GTE_INDEX = re.compile(r"get-tuple-element\(%[^\s,)]+\), index=(\d+)")
 
 
-def sliced_elements(name: str, n: int, users: dict[str, list[str]],
-                     ops: dict[str, str], types: dict[str, str],
-                     carried: dict[str, str]) -> list[bool]:
-  """Per result element of an all-reduce, whether every user keeps only the
-  device's slice of it (a tuple's elements are read through their
-  get-tuple-elements; any other user of the tuple reads it whole)."""
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What the reading needs of a parsed HLO module."""
+
+  comps: dict[str, list[tuple[str, str, str]]]  # {computation: instrs}
+  users: dict[str, list[str]]
+  ops: dict[str, str]
+  types: dict[str, str]
+  carried: dict[str, str]  # see loop_carried
+
+
+def sliced_elements(name: str, n: int, group_size: int,
+                    prog: Program) -> list[bool]:
+  """Per result element of an all-reduce over groups of ``group_size``,
+  whether every user keeps only the device's slice of it -- a
+  ``1/group_size`` part, indexed by the partition id (a tuple's elements are
+  read through their get-tuple-elements; any other user of the tuple reads
+  it whole)."""
   if n == 1:
-    return [_only_sliced(name, users, ops, types, carried)]
+    return [_only_sliced(name, group_size, prog)]
   readers: dict[int, list[str]] = {}
-  for u in users.get(name, []):
-    m = _GTE_INDEX.match(ops.get(u, ""))
+  for u in prog.users.get(name, []):
+    m = _GTE_INDEX.match(prog.ops.get(u, ""))
     if m is None:
       return [False] * n
     readers.setdefault(int(m.group(1)), []).append(u)
   return [bool(readers.get(i)) and
-          all(_only_sliced(u, users, ops, types, carried)
-              for u in readers[i])
+          all(_only_sliced(u, group_size, prog) for u in readers[i])
           for i in range(n)]
 
 
 _PASS_THROUGH = ("get-tuple-element", "bitcast", "copy", "reshape")
 
 
-def _only_sliced(name: str, users: dict[str, list[str]],
-                 ops: dict[str, str], types: dict[str, str],
-                 carried: dict[str, str]) -> bool:
-  """Whether every user of ``name`` slices it by the device's partition id."""
-  us = users.get(name, [])
+def _only_sliced(name: str, group_size: int, prog: Program) -> bool:
+  """Whether every user of ``name`` keeps only the device's
+  ``1/group_size`` slice of it, indexed by the partition id."""
+  us = prog.users.get(name, [])
   if not us:
     return False
+  whole = _elements(prog.types.get(name, ""))
   for u in us:
-    op = ops.get(u, "")
+    op = prog.ops.get(u, "")
     if op.startswith("dynamic-slice("):
-      continue
-    if op.split("(", 1)[0] in _PASS_THROUGH:  # look through to their users
-      if _only_sliced(u, users, ops, types, carried):
+      if _is_part(u, whole, group_size, prog):
         continue
       return False
+    if op.split("(", 1)[0] in _PASS_THROUGH:  # look through to their users
+      if _only_sliced(u, group_size, prog):
+        continue
+      return False
+    # A fusion that slices it: the partition id (or an index computed from
+    # it) among the fusion's operands, and inside, every path from the
+    # value's parameter ending in a dynamic-slice of it. (A fusion that
+    # slices *another* operand by the device's index -- a parameter split
+    # over another mesh axis -- while it reads this value whole does not.)
     if op.startswith("fusion(") and any(
-        _device_index(o, ops, types, carried) for o in operands(op)):
+        _device_index(o, prog) for o in operands(op)) and \
+        _sliced_inside(name, op, whole, group_size, prog):
       continue
     return False
   return True
 
 
-def _device_index(name: str, ops: dict[str, str], types: dict[str, str],
-                  carried: dict[str, str], depth: int = 4) -> bool:
+_CALLS = re.compile(r"calls=%([^\s,}]+)")
+_PARAMETER = re.compile(r"parameter\((\d+)\)")
+
+
+def _sliced_inside(name: str, fusion: str, whole: int, group_size: int,
+                   prog: Program) -> bool:
+  """Whether the fused computation ``fusion`` calls keeps only slices of
+  its operand ``name``."""
+  m = _CALLS.search(fusion)
+  at = {i for i, o in enumerate(operands(fusion)) if o == name}
+  if m is None or not at:
+    return False
+  params = [n for n, _, op in prog.comps.get(m.group(1), [])
+            if (pm := _PARAMETER.match(op)) and int(pm.group(1)) in at]
+  return bool(params) and all(
+      _slices_only(p, whole, group_size, prog) for p in params)
+
+
+def _slices_only(name: str, whole: int, group_size: int,
+                 prog: Program) -> bool:
+  """Inside a fused computation: whether every path from ``name`` ends in
+  a dynamic-slice of a ``1/group_size`` part, through ops that keep every
+  element (elementwise, layout). One that reaches the root whole, or
+  reduces, contracts or updates it, reads it whole."""
+  us = prog.users.get(name, [])
+  if not us:
+    return False  # the fusion's root: the value leaves whole
+  for u in us:
+    op = prog.ops.get(u, "")
+    if op.startswith("dynamic-slice("):
+      if operands(op)[:1] == [name] and _is_part(u, whole, group_size, prog):
+        continue
+      return False
+    if op.split("(", 1)[0] in _WHOLE or \
+        _elements(prog.types.get(u, "")) != whole:
+      return False
+    if not _slices_only(u, whole, group_size, prog):
+      return False
+  return True
+
+
+# Ops that keep every element of an operand of the same size in their result
+# (or write into it): what reaches one of them is not sliced.
+_WHOLE = ("dynamic-update-slice", "fusion", "tuple", "call", "custom-call",
+          "all-reduce", "all-gather", "while", "conditional")
+
+
+def _is_part(slice_name: str, whole: int, group_size: int,
+             prog: Program) -> bool:
+  """Whether a dynamic-slice keeps a ``1/group_size`` part of a value of
+  ``whole`` elements: each device of the reduction's group its own part
+  (a slice over another mesh axis keeps another fraction)."""
+  return _elements(prog.types.get(slice_name, "")) * group_size == whole
+
+
+def _elements(type_str: str) -> int:
+  """Elements of an array type (``f32[6,64,768]{2,1,0}`` -> 294912)."""
+  m = re.match(r"\s*[a-z][a-z0-9]*\[([0-9,]*)\]", type_str)
+  if m is None:
+    return -1
+  return math.prod(int(d) for d in m.group(1).split(",") if d)
+
+
+def _device_index(name: str, prog: Program, depth: int = 4) -> bool:
   """Whether ``name`` is the partition id or a scalar index computed from it
   by a few ops (``shard_map``'s ``axis_index`` times the block size is a
   fusion of the partition id, read by the fusion that slices; in a loop
   body, XLA hoists it out of the loop and carries it in: ``carried``)."""
-  op = ops.get(name, "")
+  op = prog.ops.get(name, "")
   if op.startswith("partition-id("):
     return True
-  if (depth == 0 or not re.fullmatch(r"[su]\d+\[\]", types.get(name, ""))):
+  if (depth == 0 or
+      not re.fullmatch(r"[su]\d+\[\]", prog.types.get(name, ""))):
     return False
-  if name in carried:
-    return _device_index(carried[name], ops, types, carried, depth - 1)
+  if name in prog.carried:
+    return _device_index(prog.carried[name], prog, depth - 1)
   if op.split("(", 1)[0] not in _INDEX_MATH:
     return False
-  return any(_device_index(o, ops, types, carried, depth - 1)
-             for o in operands(op))
+  return any(_device_index(o, prog, depth - 1) for o in operands(op))
 
 
 def loop_carried(comps, ops: dict[str, str]) -> dict[str, str]:

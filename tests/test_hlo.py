@@ -201,6 +201,49 @@ def test_cpu_all_reduce_then_slice_reads_as_a_reduce_scatter():
   assert c.bytes_per_device == pytest.approx(3 / 4 * 16 * 32 * 4)
 
 
+def test_all_reduce_read_whole_beside_a_slice_of_another_operand():
+  # The gradient is reduced over `data` and read whole; the same fusion
+  # slices the replicated `nu` by the device's `model` index. That is an
+  # all-reduce (the ViT's AdamW update, realistic zoo on (4,2)); a reader
+  # that took "a fusion of it and the partition id" for a slice of it
+  # counted a reduce-scatter over `data` -- half the bytes.
+  mesh = make_mesh((4, 2), explicit=False)
+  s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+
+  def step(x, y, nu):
+    g = x.T @ y  # a partial sum over `data`
+    return 0.999 * nu + 0.001 * (g * g).T
+
+  x = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=s("data", None))
+  y = jax.ShapeDtypeStruct((32, 128), jnp.float32, sharding=s("data", None))
+  nu = jax.ShapeDtypeStruct((128, 64), jnp.float32, sharding=s())
+  compiled = jax.jit(step, out_shardings=s(None, "model")).lower(
+      x, y, nu).compile()
+  (c,) = ad.collectives(compiled)
+  assert c.axes == ("data",)
+  assert c.kind == "all-reduce" and c.lowered_as is None
+  # the reduced block: XLA slices the gradient over `model` before reducing
+  (size,) = [np.prod(sh) for sh in c.shapes]
+  assert c.bytes_per_device == pytest.approx(2 * 3 / 4 * size * 4)
+
+
+def test_a_slice_over_another_axis_is_not_a_reduce_scatter():
+  # An all-reduce over 4 devices whose reader keeps half of it (a slice by
+  # another axis' index) is no reduce-scatter over those 4.
+  text = _module(
+      "%ar = f32[16,32]{1,0} all-reduce(%p0), channel_id=1, "
+      "replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add",
+      "%pid = u32[] partition-id()",
+      "%z = s32[] constant(0)",
+      "%i = s32[] convert(%pid)",
+      "ROOT %ds = f32[8,32]{1,0} dynamic-slice(%ar, %i, %z), "
+      "dynamic_slice_sizes={8,32}")
+  c = _one(text)
+  assert c.kind == "all-reduce" and c.group_size == 4
+  quarter = text.replace("f32[8,32]", "f32[4,32]").replace("{8,32}", "{4,32}")
+  assert _one(quarter).kind == "reduce-scatter"
+
+
 def test_combined_all_reduce_reads_each_element_by_what_its_users_keep():
   # XLA:CPU merges the bias gradient's all-reduce (kept whole: the bias is
   # replicated) with the weights' (each device keeps its slice: they are
