@@ -3,7 +3,10 @@ a reduce-scatter as an all-reduce whose every reader keeps the device's part
 (a dynamic-slice indexed by the partition id), and its combiner merges such
 all-reduces with plain ones into one tuple. :func:`sliced_elements` reads
 each element of one by what its readers keep (:mod:`autoddl_jax._hlo`
-counts it as the reduce-scatter a GPU emits)."""
+counts it as the reduce-scatter a GPU emits). What is kept must be the value
+itself, cut to its 1/group-size part: XLA fuses the reduced value with
+other operands, and a fusion may slice one of *those* by the device's index
+(a moment split over another axis) while it reads the reduced value whole."""
 
 from __future__ import annotations
 
