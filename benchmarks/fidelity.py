@@ -6,7 +6,8 @@
 
 (``--resume`` takes the cases an interrupted run finished from its stderr
 log -- every finished case is logged as one JSON ``case`` line -- and runs
-the rest.)
+the rest; ``--summarize TXT ... --resume LOG ...`` prints the tables with
+the logs' cases in place of the same cases, compiling nothing.)
 
 For each zoo model (benchmarks/zoo.py, compiled abstractly: nothing
 allocated) x mesh x cluster, and each plan -- the textbook plans DP, FSDP and
@@ -165,7 +166,8 @@ def main(argv=None):
   ap.add_argument("--summarize", nargs="+", metavar="TXT",
                   help="merge the tables of runs split by --models (this "
                        "script's printed output) into one table and summary; "
-                       "nothing is compiled")
+                       "nothing is compiled (with --resume, the logs' cases "
+                       "replace the tables' same cases)")
   ap.add_argument("--resume", nargs="+", metavar="LOG", default=(),
                   help="stderr logs of interrupted runs: the cases they "
                        "finished are taken from them, not run again")
@@ -175,7 +177,7 @@ def main(argv=None):
     for path in args.summarize:
       r, t, d = _read_output(path)
       rows, taus, dp_rows = rows + r, taus + t, dp_rows + d
-    _report(rows, taus, dp_rows)
+    _report(*_replace_cases(rows, dp_rows, _logged_cases(args.resume)))
     return
   t0 = time.perf_counter()
   rows, taus, dp_rows = [], [], []
@@ -246,6 +248,22 @@ def _logged_cases(paths) -> dict[tuple, dict]:
     d = c["dp"]
     cases[d["model"], d["mesh"], d["cluster"]] = c
   return cases
+
+
+def _replace_cases(rows, dp_rows, cases: dict[tuple, dict]):
+  """(rows, taus, DP rows) of printed tables with the cases of later runs'
+  logs put in place of the same (model, mesh, cluster), or added."""
+  key = lambda r: (r["model"], r["mesh"], r["cluster"])  # noqa: E731
+  order = list(dict.fromkeys([key(r) for r in rows] + list(cases)))
+  by_case: dict[tuple, list] = {}
+  for r in rows:
+    by_case.setdefault(key(r), []).append(r)
+  dp = {key(d): d for d in dp_rows}
+  tau = {k: rs[0]["tau"] for k, rs in by_case.items()}
+  for k, c in cases.items():
+    by_case[k], dp[k], tau[k] = c["rows"], c["dp"], c["tau"]
+  out = [r for k in order for r in by_case[k]]
+  return out, [tau[k] for k in order], [dp[k] for k in order if k in dp]
 
 
 def _report(rows, taus, dp_rows):

@@ -333,6 +333,19 @@ def test_fidelity_resumes_the_cases_an_interrupted_run_logged(tmp_path,
           "cases (mean +1.00)") in out, out[-800:]
   assert "finished in a resumed log" in err
   assert err.count("[fidelity]   case ") == 1  # logged again, for a resume
+  # --summarize TABLE --resume LOG: the log's case replaces the table's
+  # same case (a later run of part of the grid), nothing compiled.
+  table = tmp_path / "table.txt"
+  table.write_text(out)
+  for r in rows:
+    r["xla_ms"] = r["pred_ms"] * 1.5
+  case["tau"] = -1.0
+  log.write_text(f"[fidelity]   case {json.dumps(case)}\n")
+  fidelity.main(["--summarize", str(table), "--resume", str(log)])
+  merged = capsys.readouterr().out
+  assert ("fidelity: time within 15% on 0/4 plans, bytes by kind within 10% "
+          "on 4/4, peak memory within 30% on 0/4; Kendall tau >= 0.8 in 0/1 "
+          "cases (mean -1.00)") in merged, merged[-800:]
 
 
 def test_a_plan_over_the_budget_by_memory_analysis_is_searched_again(
