@@ -202,12 +202,20 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
                              sel.candidates[sel.winner].fits):
     peaks = [c.compiled.memory_bytes for c in sel.candidates
              if c.compiled is not None and c.compiled.memory_bytes]
+    # Where the model had a plan under the budget, selection searches
+    # again under a budget scaled by the model's error -- unless select_s
+    # ran out first: then a longer select_s may find one.
+    short = over is None and sel.compile_s >= float(select_s)
     raise MemoryBudgetError(
         (str(over) if over is not None else
          f"no plan fits memory_budget={format_bytes(budget)} per "
          "device by the compiled programs.") +
         (f" By memory_analysis, the smallest compiled candidate needs "
-         f"{format_bytes(min(peaks))}." if peaks else ""))
+         f"{format_bytes(min(peaks))}." if peaks else "") +
+        (f" Selection stopped at select_s={float(select_s):g} s (compiling "
+         f"took {sel.compile_s:.0f} s) before searching again under a "
+         "budget scaled by the model's memory error: a larger select_s "
+         "may find a plan that fits." if short else ""))
   return chosen
 
 

@@ -376,6 +376,13 @@ def test_a_plan_over_the_budget_by_memory_analysis_is_searched_again(
   assert won.fits and won.compiled.memory_bytes <= budget
   assert won.compiled.time_s == min(c.compiled.time_s
                                     for c in sel.candidates if c.fits)
+  # Without the time to search again, the error says what to change.
+  with pytest.raises(ad.MemoryBudgetError, match=(
+      r"by the compiled programs.*Selection stopped at select_s=0 s.*a "
+      r"larger select_s may find a plan that fits")):
+    ad.plan(case.step, *case.args, mesh=mesh, cluster=TEST_CLUSTER,
+            select="compiled", memory_budget=budget, alternatives=0,
+            select_s=0)
 
 
 def test_compare_resumes_the_cases_an_interrupted_run_logged(tmp_path,
