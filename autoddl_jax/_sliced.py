@@ -61,7 +61,7 @@ def _only_sliced(name: str, group_size: int, prog: Program) -> bool:
   for u in us:
     op = prog.ops.get(u, "")
     if op.startswith("dynamic-slice("):
-      if _is_part(u, whole, group_size, prog):
+      if _is_part(u, name, whole, group_size, prog):
         continue
       return False
     if op.split("(", 1)[0] in _PASS_THROUGH:  # look through to their users
@@ -111,7 +111,7 @@ def _slices_only(name: str, whole: int, group_size: int,
   for u in us:
     op = prog.ops.get(u, "")
     if op.startswith("dynamic-slice("):
-      if operands(op)[:1] == [name] and _is_part(u, whole, group_size, prog):
+      if _is_part(u, name, whole, group_size, prog):
         continue
       return False
     if op.split("(", 1)[0] in _WHOLE or \
@@ -128,12 +128,13 @@ _WHOLE = ("dynamic-update-slice", "fusion", "tuple", "call", "custom-call",
           "all-reduce", "all-gather", "while", "conditional")
 
 
-def _is_part(slice_name: str, whole: int, group_size: int,
+def _is_part(slice_name: str, of: str, whole: int, group_size: int,
              prog: Program) -> bool:
-  """Whether a dynamic-slice keeps a ``1/group_size`` part of a value of
-  ``whole`` elements: each device of the reduction's group its own part
-  (a slice over another mesh axis keeps another fraction)."""
-  return _elements(prog.types.get(slice_name, "")) * group_size == whole
+  """Whether a dynamic-slice keeps a ``1/group_size`` part of ``of``, a
+  value of ``whole`` elements: each device of the reduction's group its own
+  part (a slice over another mesh axis keeps another fraction)."""
+  return operands(prog.ops.get(slice_name, ""))[:1] == [of] and \
+      _elements(prog.types.get(slice_name, "")) * group_size == whole
 
 
 def _elements(type_str: str) -> int:
