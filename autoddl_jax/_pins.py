@@ -185,12 +185,13 @@ class _Pinning:
     ``have`` to the layout ``want`` of a consumer inside it: free slices
     (and shares: B -> P) of replicated axes first, then reductions of the
     partial axes it no longer keeps (``psum``, ``psum_scatter``), then
+    moves of a split dim to another (``all_to_all``), then
     gathers of dims split on one axis alone (``all_gather``: the other
     axes may keep their partial sums), as the cost model's path takes
     them; None if it takes more (or a split of a dim that is split
     already: out of tile order)."""
     names = self.mesh_info.axis_names
-    cut, red, gather = [], [], []
+    cut, red, swap, gather = [], [], [], []
     for a, (h, w) in enumerate(zip(have, want)):
       if h == w:
         continue
@@ -208,9 +209,15 @@ class _Pinning:
         # a dim split on this axis alone, gathered while another axis keeps
         # the partial sum (the MoE's expert activations under FSDP)
         gather.append(("all_gather", (names[a],), h))
+      elif h >= 0 and w >= 0 and list(have).count(h) == 1:
+        # S(h) -> S(w) on this axis alone while another keeps the partial
+        # sum: one all-to-all, as the model charges it (the MoE's Megatron
+        # and the Llama's FSDP on (4, 2) moved these; left to XLA, the whole
+        # chain was reduced where its dots made it)
+        swap.append(("all_to_all", (names[a],), (h, w)))
       else:
         return None
-    return (*cut, *red, *gather)
+    return (*cut, *red, *swap, *gather)
 
   def _chain(self, ids, key_of, codes) -> list[_regions.Region] | None:
     """A chain of partial-sum ops as regions in program order: a region
@@ -269,10 +276,12 @@ class _Pinning:
     g = self.graph
     seg = set(ids)
     in_codes, stacked_in, slices = {}, {}, {}
-    out_codes, reduce, stacked_out = {}, {}, {}
+    out_codes, reduce, stacked_out, gather_codes = {}, {}, {}, {}
     for oid in ids:
       o = g.ops[oid]
       key, n_in = key_of[oid], len(o.ins)
+      if o.prim == "gather":
+        gather_codes[key] = codes(oid, 0)
       for j, t in enumerate(o.ins):
         if t is None:
           continue
@@ -319,4 +328,5 @@ class _Pinning:
     if not reduce and not stacked_out:
       return None
     return _regions.Region(tuple(key_of[i] for i in ids), in_codes, out_codes,
-                         reduce, stacked_in, slices, stacked_out)
+                         reduce, stacked_in, slices, stacked_out,
+                         gather_codes)

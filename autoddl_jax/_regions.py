@@ -41,10 +41,11 @@ LOCAL_REDUCE = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
 REGION_OPS = LOCAL_REDUCE | frozenset({
     "transpose", "reshape", "broadcast_in_dim", "convert_element_type", "neg",
     "mul", "div", "add", "sub", "add_any", "squeeze", "copy",
-    "select_n", "split", "concatenate", "cumsum"})
+    "select_n", "split", "concatenate", "cumsum", "gather"})
 
 # A local step on a block: ("psum" | "psum_scatter" | "psum_slice" |
-# "slice" | "own" | "all_gather", mesh axes, dim). "own" makes a whole value
+# "slice" | "own" | "all_gather" | "all_to_all", mesh axes, dim: for an
+# all-to-all the (split, new split) dims). "own" makes a whole value
 # a partial sum over its axes (the first device keeps it, the others hold
 # zeros: B -> P); "all_gather" makes a split dim whole while another axis
 # keeps the partial sum.
@@ -53,7 +54,7 @@ REGION_OPS = LOCAL_REDUCE | frozenset({
 # combiners merge those into one collective per loop body (on CPU an
 # all-reduce whose readers slice; a GPU turns it into a reduce-scatter and
 # combines those), where native reduce-scatters stay one per tensor on CPU.
-Reduction = tuple[str, tuple[str, ...], "int | None"]
+Reduction = tuple[str, tuple[str, ...], "int | tuple[int, int] | None"]
 
 
 
@@ -139,7 +140,10 @@ class Region:
   another layout. ``out_codes``: every
   member result's layout. ``reduce``: per result used by ops outside the
   chain, the reductions (:func:`reductions`) and the spec it leaves with.
-  ``stacked_out``: per result a later region takes, its layout."""
+  ``stacked_out``: per result a later region takes, its layout.
+  ``gather_codes``: per gather, its table's layout (a table split on an
+  indexed dim is looked up on each device's rows, the rest masked:
+  :func:`_local_gather`)."""
 
   members: tuple[tuple, ...]
   in_codes: Mapping[tuple[tuple, int], Codes]
@@ -150,6 +154,8 @@ class Region:
   slices: Mapping[tuple[tuple, int], tuple[Reduction, ...]] = \
       dataclasses.field(default_factory=dict)
   stacked_out: Mapping[tuple[tuple, int], Codes] = dataclasses.field(
+      default_factory=dict)
+  gather_codes: Mapping[tuple, Codes] = dataclasses.field(
       default_factory=dict)
 
 
@@ -171,9 +177,11 @@ def _local_shape(shape, codes: Codes | None, mesh: Mesh) -> tuple[int, ...]:
   return tuple(out)
 
 
-def _bind_local(eqn, args, out_codes: Sequence[Codes | None], mesh: Mesh):
+def _bind_local(eqn, args, out_codes: Sequence[Codes | None], mesh: Mesh,
+                table_codes: Codes | None = None):
   """Binds ``eqn`` on local blocks: parameters that name result shapes
-  (reshape, broadcast_in_dim, split) get the blocks' shapes."""
+  (reshape, broadcast_in_dim, split) get the blocks' shapes; a gather its
+  table's blocks (``table_codes``: :func:`_local_gather`)."""
   bp = eqn.primitive.get_bind_params(eqn.params)
   if isinstance(bp, tuple):
     bp = bp[1]
@@ -182,6 +190,8 @@ def _bind_local(eqn, args, out_codes: Sequence[Codes | None], mesh: Mesh):
     if k in bp:
       bp[k] = None  # a local op on a manual mesh
   name = eqn.primitive.name
+  if name == "gather":
+    return _local_gather(eqn, args, bp, table_codes, mesh)
   if name in ("reshape", "broadcast_in_dim", "split"):
     shapes = [_local_shape(v.aval.shape, c, mesh)
               for v, c in zip(eqn.outvars, out_codes)]
@@ -194,6 +204,66 @@ def _bind_local(eqn, args, out_codes: Sequence[Codes | None], mesh: Mesh):
   return eqn.primitive.bind(*args, **bp)
 
 
+def _local_gather(eqn, args, bp, table_codes: Codes | None, mesh: Mesh):
+  """A gather on local blocks. Dims of the table the lookup takes whole
+  take the block's size; a table split on an indexed dim (an embedding
+  split over its vocabulary) is looked up by each device in the rows it
+  owns, at the index less its block's first row, and the rows it does not
+  own are zeros: the partial sum the plan's signature (S(d) -> P) says,
+  summed over the split axes it is the global gather, out-of-bounds
+  indices included (clamped, or the fill value on one device)."""
+  table, idx = args
+  gshape = eqn.invars[0].aval.shape
+  dn = bp["dimension_numbers"]
+  sizes = list(bp["slice_sizes"])
+  for d, n in enumerate(gshape):
+    if table.shape[d] != n and sizes[d] == n:
+      sizes[d] = table.shape[d]
+  bp["slice_sizes"] = tuple(sizes)
+  masked = [(k, d) for k, d in enumerate(dn.start_index_map)
+            if table.shape[d] != gshape[d]]
+  if not masked:
+    return eqn.primitive.bind(table, idx, **bp)
+  if any(sizes[d] != 1 for _, d in masked):
+    raise NotImplementedError(
+        f"a gather of slices {tuple(sizes)} from a table split on an indexed "
+        f"dim: only single-row lookups (slice size 1) are run on blocks")
+  mode = lax.GatherScatterMode.from_any(bp["mode"])
+  fill = mode == lax.GatherScatterMode.FILL_OR_DROP
+  starts = [idx[..., k] for k in range(idx.shape[-1])]
+  # The global index's meaning first: clamped, or (FILL) out of bounds.
+  valid = jnp.ones(idx.shape[:-1], bool)
+  for k, d in enumerate(dn.start_index_map):
+    hi = gshape[d] - bp["slice_sizes"][d] if (k, d) not in masked else \
+        gshape[d] - 1
+    if fill:
+      valid &= (starts[k] >= 0) & (starts[k] <= hi)
+    starts[k] = jnp.clip(starts[k], 0, hi)
+  mine = jnp.ones(idx.shape[:-1], bool)
+  first = jnp.asarray(True)
+  for k, d in masked:
+    axes = [a for a, c in zip(mesh.axis_names, table_codes) if c == d]
+    block = functools.reduce(lambda b, a: b * mesh.shape[a] +
+                             lax.axis_index(a), axes, 0)
+    first &= block == 0
+    local = starts[k] - block * table.shape[d]
+    mine &= (local >= 0) & (local < table.shape[d])
+    starts[k] = jnp.clip(local, 0, table.shape[d] - 1)
+  bp["mode"] = lax.GatherScatterMode.CLIP
+  out = eqn.primitive.bind(table, jnp.stack(starts, -1).astype(idx.dtype),
+                           **bp)
+  batch = [d for d in range(out.ndim) if d not in dn.offset_dims]
+  def expand(m):  # index batch dims -> the result's, offset dims broadcast
+    return lax.broadcast_in_dim(m, out.shape, tuple(batch))
+  out = jnp.where(expand(mine & valid), out, jnp.zeros_like(out))
+  if fill:
+    value = bp.get("fill_value")
+    value = jnp.nan if value is None else value
+    out = jnp.where(expand(~valid) & first, jnp.asarray(value, out.dtype),
+                    out)
+  return out
+
+
 def _apply_reductions(x, steps: Sequence[Reduction], mesh: Mesh):
   for kind, axes, dim in steps:
     if kind == "psum":
@@ -202,6 +272,9 @@ def _apply_reductions(x, steps: Sequence[Reduction], mesh: Mesh):
       x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
     elif kind == "all_gather":  # a split dim made whole, still partial
       x = lax.all_gather(x, axes[0], axis=dim, tiled=True)
+    elif kind == "all_to_all":  # S(h) -> S(w) on one axis, still partial
+      h, w = dim
+      x = lax.all_to_all(x, axes[0], split_axis=w, concat_axis=h, tiled=True)
     elif kind == "psum_slice":
       x = lax.psum(x, axes)
       n = x.shape[dim] // mesh.shape[axes[0]]
@@ -269,7 +342,8 @@ def run_region(region: Region, items: Sequence[tuple[tuple, Any, list]],
         args.append(_apply_reductions(x, region.slices.get((key, j), ()),
                                       mesh))
       r = _bind_local(eqn, args, [region.out_codes.get((key, s)) for s in
-                                  range(len(eqn.outvars))], mesh)
+                                  range(len(eqn.outvars))], mesh,
+                      region.gather_codes.get(key))
       rs = list(r) if eqn.primitive.multiple_results else [r]
       for v, x in zip(eqn.outvars, rs):
         if not isinstance(v, jcore.DropVar):

@@ -277,3 +277,93 @@ def test_gradient_reduce_scatters_are_combined_and_costed_so():
   # body, one for the two outside it.
   assert sorted(len(c.shapes) for c in rs) == [1, 2], rs
   assert v.emitted_comm_s == pytest.approx(plan.cost.comm_s, rel=0.01)
+
+
+@pytest.mark.parametrize("mesh_shape,mode", [((8,), None), ((8,), "clip"),
+                                             ((2, 4), "fill")])
+def test_a_table_split_over_its_rows_is_looked_up_on_each_devices_rows(
+    mesh_shape, mode):
+  # An embedding split over its vocabulary (Megatron's): each device looks
+  # up the rows it owns and zeros the rest, a partial sum the plan carries
+  # on and reduces later. Left to XLA (a gather the regions could not run),
+  # every chain of partial sums reaching it was reduced where each op made
+  # it: the zoo T5's Megatron plan on (4, 2) gathered and reduce-scattered
+  # 2x what the plan costed. Out-of-bounds ids keep their meaning (clamped,
+  # or the fill value once).
+  from jax.sharding import NamedSharding
+
+  from autoddl_jax import _lower, _regions
+  from autoddl_jax._cluster import mesh_info
+  mesh = make_mesh(mesh_shape, explicit=False)
+  table = jax.random.normal(jax.random.key(9), (16, 32), jnp.float32)
+  ids = jax.random.randint(jax.random.key(10), (8, 4), -3 if mode else 0,
+                           19 if mode else 16)
+  if mode is None:
+    f = lambda table, ids: table[ids] * 2.0  # noqa: E731
+  else:
+    f = lambda table, ids: table.at[ids].get(  # noqa: E731
+        mode=mode, fill_value=-7.0) * 2.0
+  closed = jax.make_jaxpr(f)(table, ids)
+  names = [e.primitive.name for e in closed.jaxpr.eqns]
+  gk, mk = (names.index("gather"),), (len(names) - 1,)
+  assert names[-1] == "mul", names
+  P_, B_ = -2, -1
+  split = (0,) * len(mesh_shape)  # the rows over every mesh axis
+  part = (P_,) * len(mesh_shape)
+  steps, spec = _regions.reductions(part, (B_,) * len(mesh_shape),
+                                    8 * 4 * 32 * 4, (8, 4, 32),
+                                    mesh_info(mesh, ad.Cluster()))
+  region = _regions.Region(
+      (gk, mk), {(gk, 0): split, (gk, 1): (B_,) * len(mesh_shape)},
+      {(gk, 0): part, (mk, 0): part}, {(mk, 0): (steps, spec)},
+      gather_codes={gk: split})
+  pins = _lower.Pins(mesh, {}, {}, {}, {gk: region, mk: region})
+  run = jax.jit(lambda table, ids: _lower.interpret(
+      closed.jaxpr, closed.consts, [table, ids], (), pins)[0],
+      in_shardings=(NamedSharding(mesh, P(mesh.axis_names)),
+                    NamedSharding(mesh, P())))
+  compiled = run.lower(table, ids).compile()
+  got, want = compiled(table, ids), f(table, ids)
+  assert jnp.array_equal(got, want), (got, want)
+  cols = _hlo.collectives(compiled)
+  # Only the looked-up rows are reduced; the table is never gathered.
+  assert [(c.kind, c.operand_shapes[0]) for c in cols] == [
+      ("all-reduce", (8, 4, 32))], cols
+
+
+def test_a_partial_sum_moves_its_split_dim_inside_a_region():
+  # S(1) -> S(0) over one axis while the other keeps the partial sum: one
+  # all-to-all inside the region (the zoo MoE's Megatron and the Llama's
+  # FSDP on (4, 2) move these). The regions could not write it before, and
+  # XLA reduced the whole chain at its dots.
+  import types
+
+  from jax.sharding import NamedSharding
+
+  from autoddl_jax import _lower, _regions
+  from autoddl_jax._cluster import mesh_info
+  P_, B_ = -2, -1
+  pinning = types.SimpleNamespace(mesh_info=types.SimpleNamespace(
+      axis_names=("data", "model")))
+  steps = _pins._Pinning._inner_steps(pinning, (1, P_), (0, P_))  # noqa: SLF001
+  assert steps == (("all_to_all", ("data",), (1, 0)),), steps
+  mesh = make_mesh((2, 4), explicit=False)
+  x = jax.random.normal(jax.random.key(11), (8, 64), jnp.float32)
+  w = jax.random.normal(jax.random.key(12), (64, 16), jnp.float32)
+  f = lambda x, w: (x @ w) * 2.0  # noqa: E731
+  closed = jax.make_jaxpr(f)(x, w)
+  red, spec = _regions.reductions((0, P_), (0, B_), 8 * 16 * 4, (8, 16),
+                                  mesh_info(mesh, ad.Cluster()))
+  region = _regions.Region(
+      ((0,), (1,)), {((0,), 0): (B_, 1), ((0,), 1): (1, 0)},
+      {((0,), 0): (1, P_), ((1,), 0): (0, P_)}, {((1,), 0): (red, spec)},
+      slices={((1,), 0): steps})
+  pins = _lower.Pins(mesh, {}, {}, {}, {(0,): region, (1,): region})
+  run = jax.jit(lambda x, w: _lower.interpret(
+      closed.jaxpr, closed.consts, [x, w], (), pins)[0],
+      in_shardings=(NamedSharding(mesh, P(None, "model")),
+                    NamedSharding(mesh, P("model", "data"))))
+  compiled = run.lower(x, w).compile()
+  assert rel_err(compiled(x, w), f(x, w)) <= 1e-5
+  kinds = sorted(c.kind for c in _hlo.collectives(compiled))
+  assert kinds == ["all-reduce", "all-to-all"], kinds
