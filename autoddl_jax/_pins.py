@@ -169,8 +169,14 @@ class _Pinning:
       if any(P in codes(op.id, n_in + s) for s in range(len(op.outs))):
         find(op.id)
       for j, t in enumerate(op.ins):
-        if t is not None and P in codes(op.id, j):
-          parent[find(op.id)] = find(g.tensors[t].producer[0])
+        if t is None or P not in codes(op.id, j):
+          continue
+        prod, ps = g.tensors[t].producer
+        # A whole value taken as a partial sum (one device's share) comes in
+        # from outside: its producer need not run on blocks (the ViT's
+        # class-token pad under Megatron).
+        if P in codes(prod, len(g.ops[prod].ins) + ps):
+          parent[find(op.id)] = find(prod)
     comps: dict[int, list[int]] = collections.defaultdict(list)
     for x in list(parent):
       comps[find(x)].append(x)

@@ -41,7 +41,8 @@ LOCAL_REDUCE = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
 REGION_OPS = LOCAL_REDUCE | frozenset({
     "transpose", "reshape", "broadcast_in_dim", "convert_element_type", "neg",
     "mul", "div", "add", "sub", "add_any", "squeeze", "copy",
-    "select_n", "split", "concatenate", "cumsum", "gather"})
+    "select_n", "split", "concatenate", "cumsum", "gather", "slice",
+    "dynamic_slice"})
 
 # A local step on a block: ("psum" | "psum_scatter" | "psum_slice" |
 # "slice" | "own" | "all_gather" | "all_to_all", mesh axes, dim: for an
@@ -192,6 +193,13 @@ def _bind_local(eqn, args, out_codes: Sequence[Codes | None], mesh: Mesh,
   name = eqn.primitive.name
   if name == "gather":
     return _local_gather(eqn, args, bp, table_codes, mesh)
+  if name in ("slice", "dynamic_slice"):
+    # Only dims taken whole may be split (the rules' signatures): on a block
+    # they are taken whole too.
+    key = "limit_indices" if name == "slice" else "slice_sizes"
+    gshape = eqn.invars[0].aval.shape
+    bp[key] = tuple(args[0].shape[d] if args[0].shape[d] != n else v
+                    for d, (n, v) in enumerate(zip(gshape, bp[key])))
   if name in ("reshape", "broadcast_in_dim", "split"):
     shapes = [_local_shape(v.aval.shape, c, mesh)
               for v, c in zip(eqn.outvars, out_codes)]

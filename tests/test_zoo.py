@@ -100,8 +100,11 @@ def test_a_partial_sum_gathered_inside_its_chain_runs_on_blocks(monkeypatch):
   # that gather the whole chain was left to XLA, which all-reduced the
   # (batch, seq, experts, d_model) tensor at the dot that made it (384 MiB
   # over `data` at realistic size where the plan reduces later); now the
-  # chain's region gathers the block with `all_gather`.
+  # chain runs in regions (a block gathered with `all_gather` where the
+  # value is a partial sum already, by the shard_map's in_specs where it is
+  # whole).
   from autoddl_jax import _pins
+  from autoddl_jax._sbp import P_CODE
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))), "benchmarks"))
   import fidelity
@@ -115,9 +118,15 @@ def test_a_partial_sum_gathered_inside_its_chain_runs_on_blocks(monkeypatch):
                  select="model")
   plan = ad.hand_plan(case.step, *case.args, mesh=mesh, cluster=cluster,
                       in_shardings=ours.textbook("fsdp").in_specs)
-  regions = _pins.regions(plan.program, plan.choice).values()
-  assert any(step[0] == "all_gather" for r in regions
-             for steps in r.slices.values() for step in steps)
+  # Every partial sum the plan makes runs in a region: none is left to XLA.
+  regions = _pins.regions(plan.program, plan.choice)
+  g, prob = plan.graph, plan.problem
+  key_of = {oid: key for key, oid in g.eqn_op.items()}
+  partial = [o.id for o in g.ops if o.kind == "eqn" and any(
+      P_CODE in prob.cands[o.id][plan.choice[o.id]][len(o.ins) + s]
+      for s in range(len(o.outs))) and any(
+          g.tensors[t].consumers for t in o.outs)]
+  assert partial and all(key_of[i] in regions for i in partial)
   got = plan.jit()(*case.args)
   want = jax.jit(case.step)(*case.args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
