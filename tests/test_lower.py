@@ -367,3 +367,41 @@ def test_a_partial_sum_moves_its_split_dim_inside_a_region():
   assert rel_err(compiled(x, w), f(x, w)) <= 1e-5
   kinds = sorted(c.kind for c in _hlo.collectives(compiled))
   assert kinds == ["all-reduce", "all-to-all"], kinds
+
+
+@pytest.mark.parametrize("op", ["slice", "dynamic_slice"])
+def test_a_partial_sum_is_sliced_on_blocks(op):
+  # A slice of a partial sum is the partial sum of the slice: the region
+  # slices each block, a split dim (taken whole) at the block's size (the
+  # ViT's class token under Megatron: one slice the blocks could not run
+  # left the whole chain to XLA).
+  from jax.sharding import NamedSharding
+
+  from autoddl_jax import _lower, _regions
+  from autoddl_jax._cluster import mesh_info
+  P_, B_ = -2, -1
+  mesh = make_mesh((2, 4), explicit=False)
+  x = jax.random.normal(jax.random.key(13), (8, 64), jnp.float32)
+  w = jax.random.normal(jax.random.key(14), (64, 16), jnp.float32)
+  if op == "slice":
+    f = lambda x, w: (x @ w)[:, 2:10]  # noqa: E731
+  else:
+    f = lambda x, w: jax.lax.dynamic_slice(x @ w, (0, 3), (8, 8))  # noqa: E731
+  closed = jax.make_jaxpr(f)(x, w)
+  names = [e.primitive.name for e in closed.jaxpr.eqns]
+  assert names == ["dot_general", op], names
+  red, spec = _regions.reductions((0, P_), (0, B_), 8 * 8 * 4, (8, 8),
+                                  mesh_info(mesh, ad.Cluster()))
+  region = _regions.Region(
+      ((0,), (1,)), {((0,), 0): (0, 1), ((0,), 1): (B_, 0)},
+      {((0,), 0): (0, P_), ((1,), 0): (0, P_)}, {((1,), 0): (red, spec)})
+  pins = _lower.Pins(mesh, {}, {}, {}, {(0,): region, (1,): region})
+  run = jax.jit(lambda x, w: _lower.interpret(
+      closed.jaxpr, closed.consts, [x, w], (), pins)[0],
+      in_shardings=(NamedSharding(mesh, P("data", "model")),
+                    NamedSharding(mesh, P("model", None))))
+  compiled = run.lower(x, w).compile()
+  assert rel_err(compiled(x, w), f(x, w)) <= 1e-5
+  # Only the slice is reduced: 8 of the dot's 16 columns.
+  assert [(c.kind, c.operand_shapes[0]) for c in _hlo.collectives(compiled)
+          ] == [("all-reduce", (4, 8))]
