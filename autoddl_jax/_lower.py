@@ -17,7 +17,9 @@ traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
 * partial sums run in *regions* (:class:`Region`): the ops that make them
   (``dot_general``, convolutions, ``reduce_sum``: :data:`LOCAL_REDUCE`) and
   the linear ops the plan carries them through (transpose, reshape, a
-  grouped sum, casts, adds: :data:`REGION_OPS`; the scatter-add of an
+  grouped sum, casts, adds, slices: :data:`REGION_OPS`; a lookup in a
+  table split over its rows, masked on each device as Megatron's
+  vocabulary-parallel embedding; the scatter-add of an
   embedding's gradient: :func:`runs_local`) run together on each
   device's blocks inside one ``shard_map``, and each result used outside is
   reduced there, with ``psum``/``psum_scatter`` (and free slices) toward
@@ -33,8 +35,13 @@ traced jaxpr equation by equation and pin, with ``with_sharding_constraint``:
   collective of its own; a GPU turns the psum and slice into a
   reduce-scatter and combines those). A chain whose result is wanted
   before it ends is split in regions, the partial sum handed on stacked
-  (:func:`stacked_spec`). A
-  chain the lowering cannot write is left to XLA.
+  (:func:`stacked_spec`). Inside a chain a partial sum may move a split
+  dim (one ``all_to_all``) or gather one while another axis keeps it
+  partial; a whole value a member takes as a partial sum comes in as the
+  ``shard_map``'s input, its producer outside. A chain the lowering cannot
+  write is left to XLA whole -- one op it could not run (a gather, a
+  class token's pad) cost the zoo's T5, ViT and MoE Megatron plans up to
+  twice the reduce-scatters and gathers the plan costed.
 * the step's results, staged into the layout they leave ``jax.jit`` in
   (left to ``out_shardings``, the reshard is one step);
 * a loop's or branch's results, to the layout the plan gives them: the
