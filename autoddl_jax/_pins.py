@@ -113,11 +113,18 @@ class _Pinning:
     # them in to the layout the plan gives the result is staged at the
     # loop's exit (one constraint there is often replicate-then-slice:
     # "Involuntary full rematerialization" for a scanned GPT's activations).
+    # The path starts at the carried layout itself: pinned as the loop
+    # returns, it keeps XLA from carrying the value in the result's layout
+    # instead (the Llama's Megatron backward loop carried its cotangent
+    # split over the sequence, as the result leaves, and gathered it back
+    # every iteration).
     for ctx, pairs in (g.result_links.items() if inputs_too else ()):
       for j, (carried, lid) in enumerate(pairs):
         path = staged(carried, prob.cands[lid][self.choice[lid]][0])
         if path:
-          inputs[(ctx, ("out", j))] = path
+          first = produced.get(carried)
+          inputs[(ctx, ("out", j))] = ((first,) if splits(first) else ()) \
+              + tuple(path)
     # The step's results: the reshard into the layout they leave the jit in
     # is staged inside it (left to the out_shardings it is one step, and
     # XLA may replicate the whole result to make it).
