@@ -221,7 +221,11 @@ def main(argv=None):
       n_ok = 0
       print(f"[transitions] mesh {mkey} rank {rank}: {len(ps)} pairs",
             file=sys.stderr, flush=True)
-      for src, dst in ps:
+      for i, (src, dst) in enumerate(ps):
+        if i and i % 500 == 0:  # a 3-axis rank-3 run takes the best part of an hour
+          print(f"[transitions]   {i}/{len(ps)} pairs, {n_ok} agree, "
+                f"{time.perf_counter() - t0:.0f} s", file=sys.stderr,
+                flush=True)
         try:
           model, xla = compare(MESHES[mkey], SHAPES[rank], src, dst,
                                staged=not args.unstaged,
