@@ -408,3 +408,24 @@ def test_compare_resumes_the_cases_an_interrupted_run_logged(tmp_path,
   assert "geometric mean 0.800, worse on 0 of 1 cases" in out
   assert "finished in a resumed log" in err
   assert not (tmp_path / "c.csv").exists()  # no candidate compiled
+
+
+def test_compare_names_each_case_where_nothing_beats_a_textbook_plan(capsys):
+  # Issue 12: "where no plan better than a textbook plan exists, say so per
+  # case" -- also where the search's own plan is the textbook plan's program
+  # (the ViT's DP on one node), not only where a textbook plan is returned.
+  import compare
+  base = {"mesh": "8", "cluster": "1x8", "budget": "-", "best_textbook": "dp",
+          "search_fits": True, "pred_emit": 1.0, "remat": 0}
+  cases = [dict(base, model="vit", chosen="search (pinned)", chosen_vs=1.0,
+                search_vs=1.0),
+           dict(base, model="t5", chosen="search (pinned)", chosen_vs=0.8,
+                search_vs=0.8),
+           dict(base, model="moe", chosen="fsdp (boundary)", chosen_vs=1.0,
+                search_vs=1.2)]
+  compare._summary(cases)
+  out = capsys.readouterr().out
+  named = [ln for ln in out.splitlines() if "no plan better" in ln]
+  assert len(named) == 2, out
+  assert "vit mesh 8" in named[0] and "moe mesh 8" in named[1]
+  assert "better on 1" in out
