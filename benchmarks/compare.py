@@ -335,7 +335,8 @@ def _summary(cases):
   books = [c for c in done if c["chosen"].split(" ")[0] in TEXTBOOK]
   print(f"\nchosen plan vs best textbook plan (compiled score): geometric "
         f"mean {_gmean(chosen):.3f}, worse on {len(worse)} of {len(done)} "
-        f"cases, better on {sum(x < 1 - 1e-9 for x in chosen)}")
+        f"cases, better (by more than 0.1%) on "
+        f"{sum(x < 1 - 1e-3 for x in chosen)}")
   print(f"the search's own plan (select='model') vs best textbook: geometric "
         f"mean {_gmean(own):.3f}, worse on "
         f"{sum(x > 1 + 1e-9 for x in own)} of {len(own)} (over the budget by "

@@ -428,4 +428,4 @@ def test_compare_names_each_case_where_nothing_beats_a_textbook_plan(capsys):
   named = [ln for ln in out.splitlines() if "no plan better" in ln]
   assert len(named) == 2, out
   assert "vit mesh 8" in named[0] and "moe mesh 8" in named[1]
-  assert "better on 1" in out
+  assert "better (by more than 0.1%) on 1" in out
