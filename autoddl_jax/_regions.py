@@ -219,7 +219,8 @@ def _local_gather(eqn, args, bp, table_codes: Codes | None, mesh: Mesh):
   owns, at the index less its block's first row, and the rows it does not
   own are zeros: the partial sum the plan's signature (S(d) -> P) says,
   summed over the split axes it is the global gather, out-of-bounds
-  indices included (clamped, or the fill value on one device)."""
+  indices included (clamped, or the fill value on one device -- also where
+  the table is itself a partial sum)."""
   table, idx = args
   gshape = eqn.invars[0].aval.shape
   dn = bp["dimension_numbers"]
@@ -230,14 +231,18 @@ def _local_gather(eqn, args, bp, table_codes: Codes | None, mesh: Mesh):
   bp["slice_sizes"] = tuple(sizes)
   masked = [(k, d) for k, d in enumerate(dn.start_index_map)
             if table.shape[d] != gshape[d]]
-  if not masked:
+  mode = lax.GatherScatterMode.from_any(bp["mode"])
+  fill = mode == lax.GatherScatterMode.FILL_OR_DROP
+  # A table that is a partial sum over some axes holds an addend of every
+  # row there; the fill value belongs to the sum once, not to each addend.
+  partial = [a for a, c in zip(mesh.axis_names, table_codes or ())
+             if c == P_CODE]
+  if not masked and not (fill and partial):
     return eqn.primitive.bind(table, idx, **bp)
   if any(sizes[d] != 1 for _, d in masked):
     raise NotImplementedError(
         f"a gather of slices {tuple(sizes)} from a table split on an indexed "
         f"dim: only single-row lookups (slice size 1) are run on blocks")
-  mode = lax.GatherScatterMode.from_any(bp["mode"])
-  fill = mode == lax.GatherScatterMode.FILL_OR_DROP
   starts = [idx[..., k] for k in range(idx.shape[-1])]
   # The global index's meaning first: clamped, or (FILL) out of bounds.
   valid = jnp.ones(idx.shape[:-1], bool)
@@ -248,7 +253,8 @@ def _local_gather(eqn, args, bp, table_codes: Codes | None, mesh: Mesh):
       valid &= (starts[k] >= 0) & (starts[k] <= hi)
     starts[k] = jnp.clip(starts[k], 0, hi)
   mine = jnp.ones(idx.shape[:-1], bool)
-  first = jnp.asarray(True)
+  first = functools.reduce(lambda f, a: f & (lax.axis_index(a) == 0),
+                           partial, jnp.asarray(True))
   for k, d in masked:
     axes = [a for a, c in zip(mesh.axis_names, table_codes) if c == d]
     block = functools.reduce(lambda b, a: b * mesh.shape[a] +

@@ -405,3 +405,44 @@ def test_a_partial_sum_is_sliced_on_blocks(op):
   # Only the slice is reduced: 8 of the dot's 16 columns.
   assert [(c.kind, c.operand_shapes[0]) for c in _hlo.collectives(compiled)
           ] == [("all-reduce", (4, 8))]
+
+
+def test_a_partial_table_looked_up_out_of_bounds_fills_once():
+  # A table that is itself a partial sum (a dot's result, its contraction
+  # split over the second axis) looked up with mode="fill": every device of
+  # that axis holds an addend of each row, but the fill value belongs to
+  # the sum once. Each device filled before, and the reduction summed the
+  # fill value once per device of the partial axis.
+  from jax.sharding import NamedSharding
+
+  from autoddl_jax import _lower, _regions
+  from autoddl_jax._cluster import mesh_info
+  mesh = make_mesh((2, 2), explicit=False)
+  a = jax.random.normal(jax.random.key(11), (16, 8), jnp.float32)
+  b = jax.random.normal(jax.random.key(12), (8, 32), jnp.float32)
+  ids = jax.random.randint(jax.random.key(13), (8, 4), -3, 19)
+  f = lambda a, b, ids: (a @ b).at[ids].get(  # noqa: E731
+      mode="fill", fill_value=-7.0) * 2.0
+  closed = jax.make_jaxpr(f)(a, b, ids)
+  names = [e.primitive.name for e in closed.jaxpr.eqns]
+  dk, gk, mk = ((names.index("dot_general"),), (names.index("gather"),),
+                (len(names) - 1,))
+  assert names[-1] == "mul", names
+  P_, B_ = -2, -1
+  table = (0, P_)  # rows over the first axis, partial over the second
+  steps, spec = _regions.reductions((P_, P_), (B_, B_), 8 * 4 * 32 * 4,
+                                    (8, 4, 32), mesh_info(mesh, ad.Cluster()))
+  region = _regions.Region(
+      (dk, gk, mk),
+      {(dk, 0): (0, 1), (dk, 1): (B_, 0), (gk, 1): (B_, B_)},
+      {(dk, 0): table, (gk, 0): (P_, P_), (mk, 0): (P_, P_)},
+      {(mk, 0): (steps, spec)}, gather_codes={gk: table})
+  pins = _lower.Pins(mesh, {}, {}, {}, {dk: region, gk: region, mk: region})
+  run = jax.jit(lambda a, b, ids: _lower.interpret(
+      closed.jaxpr, closed.consts, [a, b, ids], (), pins)[0],
+      in_shardings=(NamedSharding(mesh, P(*mesh.axis_names)),
+                    NamedSharding(mesh, P(mesh.axis_names[1])),
+                    NamedSharding(mesh, P())))
+  got, want = run(a, b, ids), f(a, b, ids)
+  assert bool(jnp.any(want == -14.0))  # some ids are out of bounds
+  assert float(jnp.max(jnp.abs(got - want))) < 1e-4, (got, want)
