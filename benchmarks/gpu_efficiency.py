@@ -36,18 +36,23 @@ def layer_norm(x, scale, bias, eps=1e-5):
   return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
-def block(x, lp, heads):
+def block(x, lp, heads, fused=False):
   b, s, _ = x.shape
   dh = 128
   y = layer_norm(x, lp["ln1_scale"], lp["ln1_bias"])
   q = (y @ lp["wq"]).reshape(b, s, heads, dh)
   k = (y @ lp["wk"]).reshape(b, s, heads, dh)
   v = (y @ lp["wv"]).reshape(b, s, heads, dh)
-  att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
-  mask = jnp.tril(jnp.ones((s, s), bool))
-  att = jnp.where(mask, att, jnp.finfo(att.dtype).min)
-  att = jax.nn.softmax(att, axis=-1)
-  o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, heads * dh)
+  if fused:  # cuDNN's fused (flash) attention: the same function
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                     implementation="cudnn")
+  else:
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(dh)
+    mask = jnp.tril(jnp.ones((s, s), bool))
+    att = jnp.where(mask, att, jnp.finfo(att.dtype).min)
+    att = jax.nn.softmax(att, axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", att, v)
+  o = o.reshape(b, s, heads * dh)
   x = x + o @ lp["wo"]
   y = layer_norm(x, lp["ln2_scale"], lp["ln2_bias"])
   return x + jax.nn.gelu(y @ lp["w1"]) @ lp["w2"]
@@ -89,7 +94,7 @@ def timed(fn, args, iters):
   return statistics.median(ts)
 
 
-def matmul_case(n=8192, iters=20):
+def matmul_case(n=8192, iters=100):
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
   f = jax.jit(lambda a, b: a @ b)
@@ -105,17 +110,22 @@ STAGES = {  # name -> (layers, d_model, local heads, local MLP width, batch)
     "tp8-b2": (12, 12288, 12, 6144, 2),
     # The whole layer on one device (no tensor parallelism), 2 layers.
     "full": (2, 12288, 96, 49152, 1),
+    # tp8 with cuDNN's fused attention (GPU only; --predict counts the
+    # FLOPs of the same attention written out).
+    "tp8-fused": (12, 12288, 12, 6144, 1),
 }
 SEQ = 2048
+DEFAULT_CASES = ("matmul", "tp8:nothing_saveable", "tp8:dots_saveable",
+                 "tp8:none", "tp8-b2:nothing_saveable", "full:nothing_saveable")
 
 
-def stage_grad(heads, policy):
+def stage_grad(heads, policy, fused=False):
   """The gradient of a stage of layers in ``lax.scan`` w.r.t. its weights
   and input, each layer under ``jax.checkpoint(policy)`` (``"none"``: as
   written)."""
 
   def body(c, lp):
-    return block(c, lp, heads), None
+    return block(c, lp, heads, fused), None
 
   if policy != "none":
     body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies,
@@ -142,7 +152,7 @@ def stage_args(name, abstract=False):
 def stage_case(name, policy, iters=10):
   heads = STAGES[name][2]
   args = stage_args(name)
-  step = jax.jit(stage_grad(heads, policy))
+  step = jax.jit(stage_grad(heads, policy, fused=name.endswith("-fused")))
   t0 = time.perf_counter()
   compiled = step.lower(*args).compile()
   compile_s = time.perf_counter() - t0
@@ -168,7 +178,7 @@ def predict(path):
   print(f"measured on {meas['device']} (jax {meas['jax']}); predicted by "
         f"the default Cluster (peak {cl.peak_flops / 1e12:.0f} TFLOP/s x "
         f"flops_efficiency {cl.flops_efficiency})")
-  print(f"{'stage':<8} {'remat':<17} {'FLOPs':>10} {'predicted':>10} "
+  print(f"{'stage':<10} {'remat':<17} {'FLOPs':>10} {'predicted':>10} "
         f"{'measured':>9} {'pred/meas':>9} {'eff':>6} {'6ND MFU':>8}")
   for r in meas["rows"]:
     if r["case"] not in STAGES:
@@ -182,7 +192,7 @@ def predict(path):
     flops = p.cost.compute_s * cl.peak_flops * cl.flops_efficiency
     n = layers * (4 * d * heads * 128 + 2 * d * ff)  # the stage's weights
     six_nd = 6 * n * batch * SEQ
-    print(f"{r['case']:<8} {r['policy']:<17} {flops / 1e12:8.2f} T "
+    print(f"{r['case']:<10} {r['policy']:<17} {flops / 1e12:8.2f} T "
           f"{p.cost.compute_s * 1e3:8.2f} ms {r['seconds'] * 1e3:7.2f} ms "
           f"{p.cost.compute_s / r['seconds']:9.3f} "
           f"{flops / r['seconds'] / PEAK:6.1%} "
@@ -195,20 +205,21 @@ def main(argv=None):
   ap.add_argument("--predict", metavar="JSON", default=None,
                   help="no GPU: print the planner's compute time for each "
                   "stage measured in JSON beside the measured time")
+  ap.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                  type=lambda t: t.split(","),
+                  help="comma-separated: 'matmul' and STAGE:POLICY "
+                  f"(default: {','.join(DEFAULT_CASES)})")
   args = ap.parse_args(argv)
   if args.predict:
     return predict(args.predict)
   dev = jax.devices()[0]
   print(f"jax {jax.__version__} on {dev.device_kind} ({dev.platform})",
         flush=True)
-  cases = [
-      lambda: matmul_case(),
-      lambda: stage_case("tp8", "nothing_saveable"),
-      lambda: stage_case("tp8", "dots_saveable"),
-      lambda: stage_case("tp8", "none"),
-      lambda: stage_case("tp8-b2", "nothing_saveable"),
-      lambda: stage_case("full", "nothing_saveable"),
-  ]
+  cases = [lambda: matmul_case()] if "matmul" in args.cases else []
+  for case in args.cases:
+    if case != "matmul":
+      name, policy = case.split(":")
+      cases.append(lambda name=name, policy=policy: stage_case(name, policy))
   rows = []
   print(f"{'case':<40} {'remat':<17} {'XLA TFLOP':>10} {'ms':>9} "
         f"{'TFLOP/s':>8} {'of peak':>8}", flush=True)
