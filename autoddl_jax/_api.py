@@ -9,6 +9,7 @@ shardings a user wrote, :func:`load_plan` from a file.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -95,8 +96,9 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       ``S > 1`` that divides a mesh axis and the layer count (over a whole
       axis, or the major part of a larger one, :mod:`autoddl_jax._stages`)
       and a few microbatch counts, each planned by the same search and
-      fitted to the budget, and a pipelined plan is returned only where it
-      is faster than the best plan without stages. An int ``S > 1`` forces
+      fitted to the budget (not fitted where its best plan without the
+      budget is already slower than one that fits), and a pipelined plan is
+      returned only where it is faster than the best plan without stages. An int ``S > 1`` forces
       ``S`` stages (the schedule over which axis, and the microbatches, are
       still chosen); ``1`` turns pipelining off.
 
@@ -167,9 +169,11 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
   if staged:
     # Pipeline stages: each schedule planned and fitted as the step is;
     # the fastest that fits wins (forced: among the schedules only).
-    tried = _planner.plan_stages(fn, args, mesh, cluster, verbose, staged,
-                                 [c.batch for c in calls], budget,
-                                 variants.may_remat, policy)
+    tried = _planner.plan_stages(
+        fn, args, mesh, cluster, verbose, staged, [c.batch for c in calls],
+        budget, variants.may_remat, policy,
+        beat=best.cost.time_s if pipeline is None and over is None
+        else math.inf)
     if pipeline is None:
       tried.append((best, over, variants))
     best, over, variants = min(tried, key=lambda t: (

@@ -30,6 +30,9 @@ from autoddl_jax.pipeline import Schedule
 
 SELECT_ENV = "AUTODDL_JAX_SELECT"  # the default of plan(select=...)
 SELECT_SECONDS = 120.0
+# plan_stages skips fitting what cannot win (tests turn it off to show that
+# doing so changes no plan).
+PRUNE_SCHEDULES = True
 
 
 def search_plan(program: Program, budget: float | None, verbose: bool,
@@ -103,8 +106,12 @@ class Variants:
     self.remats = False  # a remat variant was searched
     self.may_remat = may_remat
 
-  def fit(self, budget: float) -> tuple[Plan, NoFit | None, list]:
-    options, beat = [], math.inf
+  def fit(self, budget: float, beat: float = math.inf
+          ) -> tuple[Plan, NoFit | None, list]:
+    """``beat``: the time of a plan that fits already (another schedule's);
+    a variant whose best plan without the budget is no faster is not
+    fitted (fitting only makes a plan slower)."""
+    options = []
     for pol in self.policies:
       program = self.programs.get(pol)
       if program is None:
@@ -128,17 +135,34 @@ class Variants:
 
 
 def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
-                budget, may_remat: bool, policy
+                budget, may_remat: bool, policy, beat: float = math.inf
                 ) -> list[tuple[Plan, NoFit | None, Variants]]:
   """The plans of the pipeline schedules ``opts`` ((mesh axis, stages),
   :func:`_stages.options`), each fitted to ``budget`` as :func:`plan`
   fits the step as written: (plan, why it does not fit or None, its
   variants). Every schedule is planned with its first microbatch count;
-  the best two of them with the other counts too."""
+  the best two of them with the other counts too. ``beat``: the time of
+  the plan without stages, where it fits.
+
+  A schedule (or one of its remat variants) whose best plan without the
+  budget is already no faster than a plan that fits is not fitted: fitting
+  only makes it slower. While the first counts are planned, "a plan that
+  fits" is the second-best schedule's (so the two that get the other
+  counts are the same two); then the best plan found. On the 175B GPT
+  this skips the schedule over ``model`` (94 s per step without the
+  budget) and some schedules' remat fits."""
   mi = _program.mesh_info(mesh, cluster)
   rank = lambda t: (t[1] is not None, t[0].cost.time_s)  # noqa: E731
+  fitted: list[float] = []  # the schedules' times that fit, so far
 
-  def one(axis, stages, m):
+  def bar(phase: str) -> float:
+    if not PRUNE_SCHEDULES:
+      return math.inf
+    if phase == "first":
+      return sorted(fitted)[1] if len(fitted) > 1 else math.inf
+    return min(fitted + [beat])
+
+  def one(axis, stages, m, phase):
     smesh, name = _stages.stage_mesh(mesh, mi, axis, stages)
     t0 = time.perf_counter()
     if verbose:
@@ -154,17 +178,23 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
     p = p.replace(memory_budget=budget)
     variants = Variants(fn, args, verbose, program, may_remat=may_remat)
     if budget is not None and peak > budget:
-      p, over, _ = variants.fit(budget)
+      if p.cost.time_s >= bar(phase):
+        over = NoFit("slower than a plan that fits, without the budget",
+                     p.search)
+      else:
+        p, over, _ = variants.fit(budget, beat=bar(phase))
+    if over is None:
+      fitted.append(p.cost.time_s)
     return p.replace(search_s=time.perf_counter() - t0), over, variants
 
   firsts = {}
   for axis, stages in opts:
     m = _stages.microbatch_counts(stages, batches)[0]
-    firsts[(axis, stages)] = one(axis, stages, m)
+    firsts[(axis, stages)] = one(axis, stages, m, "first")
   out = list(firsts.values())
   for axis, stages in sorted(firsts, key=lambda k: rank(firsts[k]))[:2]:
     for m in _stages.microbatch_counts(stages, batches)[1:]:
-      out.append(one(axis, stages, m))
+      out.append(one(axis, stages, m, "more"))
   return out
 
 
