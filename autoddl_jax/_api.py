@@ -98,9 +98,9 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       and a few microbatch counts, each planned by the same search and
       fitted to the budget (not fitted where its best plan without the
       budget is already slower than one that fits), and a pipelined plan is
-      returned only where it is faster than the best plan without stages. An int ``S > 1`` forces
-      ``S`` stages (the schedule over which axis, and the microbatches, are
-      still chosen); ``1`` turns pipelining off.
+      returned only where it is faster than the best plan without stages.
+      An int ``S > 1`` forces ``S`` stages (the schedule over which axis,
+      and the microbatches, are still chosen); ``1`` turns pipelining off.
 
   Returns:
     A :class:`Plan`.

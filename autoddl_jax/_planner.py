@@ -181,6 +181,11 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
       if p.cost.time_s >= bar(phase):
         over = NoFit("slower than a plan that fits, without the budget",
                      p.search)
+        if verbose:
+          print(f"[autoddl_jax] pipeline: not fitted to the budget: "
+                f"{p.cost.time_s * 1e3:.6g} ms without it, another plan "
+                f"that fits takes {bar(phase) * 1e3:.6g} ms",
+                file=sys.stderr, flush=True)
       else:
         p, over, _ = variants.fit(budget, beat=bar(phase))
     if over is None:
