@@ -33,6 +33,9 @@ SELECT_SECONDS = 120.0
 # plan_stages skips fitting what cannot win (tests turn it off to show that
 # doing so changes no plan).
 PRUNE_SCHEDULES = True
+# Why a plan over the budget was not fitted to it (search_plan's ``beat``,
+# plan_stages' schedules): fitting only makes a plan slower.
+SLOWER = "slower than a plan that fits, without the budget"
 
 
 def search_plan(program: Program, budget: float | None, verbose: bool,
@@ -71,7 +74,7 @@ def search_plan(program: Program, budget: float | None, verbose: bool,
   over = None  # why no plan fits the budget by the model, if none does
   if budget is not None and free_peak > budget and \
       prob.evaluate(choice).time_s >= beat:
-    over = NoFit("slower than a plan that fits, without the budget", res)
+    over = NoFit(SLOWER, res)
   elif budget is not None:
     try:
       choice, res = fit_budget(prob, seeds, res, float(budget), progress)
@@ -179,8 +182,7 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
     variants = Variants(fn, args, verbose, program, may_remat=may_remat)
     if budget is not None and peak > budget:
       if p.cost.time_s >= bar(phase):
-        over = NoFit("slower than a plan that fits, without the budget",
-                     p.search)
+        over = NoFit(SLOWER, p.search)
         if verbose:
           print(f"[autoddl_jax] pipeline: not fitted to the budget: "
                 f"{p.cost.time_s * 1e3:.6g} ms without it, another plan "
