@@ -153,6 +153,14 @@ class Problem(MemoryModel):
         self.incident[p].append(len(self.edges))
         self.incident[c].append(len(self.edges))
         self.edges.append(e)
+    # Each space's transitions among the states these candidates use.
+    used: dict[int, tuple[StateSpace, list]] = {}
+    for e in self.edges:
+      idx = used.setdefault(id(e.space), (e.space, []))[1]
+      idx.append(self.slot_idx[e.prod][e.prod_slot])
+      idx.append(self.slot_idx[e.cons][e.cons_slot])
+    for sp, idx in used.values():
+      sp.ensure(np.unique(np.concatenate(idx)))
     self._set_groups(groups)
     self._liveness()
     self._flatten()

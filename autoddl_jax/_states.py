@@ -73,14 +73,62 @@ class StateSpace:
     self.local_bytes = np.array(
         [self.nbytes / split_factor(s, mi.axis_sizes) for s in self.states])
     self._mi = mi
+    # Transition costs are computed for the pairs among the states some
+    # problem's candidates use (:meth:`ensure`): a 3-axis mesh gives a
+    # rank-6 tensor 512 states, of which a pipeline's pinned stage dim
+    # leaves a few dozen in use. Pairs not computed hold NaN.
     self._time: np.ndarray | None = None
     self._bytes: np.ndarray | None = None
+    self._done = np.zeros(len(self.states), dtype=bool)
 
-  def _build(self):
-    """All-pairs transition costs, vectorized over pairs for each axis order
-    (the same numbers as :func:`transition`, which stays the reference)."""
+  def ensure(self, used=None) -> None:
+    """Computes the transitions among ``used`` (state indices; None: all
+    states) and the states their costs go through (replicated, where a
+    pair no order of one-axis moves keeps divisible goes; the state after
+    a joint all-reduce of several partial axes)."""
+    n = len(self.states)
+    want = np.zeros(n, dtype=bool)
+    if used is None:
+      want[:] = True
+    else:
+      want[np.asarray(list(used), dtype=np.int64)] = True
+    rep = self.index[tuple(B for _ in self._mi.axis_sizes)]
+    want[rep] = True
+    if self._done.any():
+      want |= self._done
+    multi = [i for i, st in enumerate(self.states)
+             if sum(c == P for c in st) >= 2]
+    grow = True
+    while grow:  # the joint all-reduces' states after, transitively
+      grow = False
+      cols = np.flatnonzero(want)
+      for i in multi:
+        if not want[i]:
+          continue
+        for j in cols:
+          joint = joint_all_reduce(self.states[i], self.states[j],
+                                   self.nbytes, self._mi)
+          if joint is not None and not want[self.index[joint[3]]]:
+            want[self.index[joint[3]]] = grow = True
+    if (want <= self._done).all():
+      return
+    if self._time is None:
+      self._time = np.full((n, n), np.nan)
+      self._bytes = np.full((n, n), np.nan)
+    sub = np.flatnonzero(want)
+    t, b = self._build(sub)
+    self._time[np.ix_(sub, sub)] = t
+    self._bytes[np.ix_(sub, sub)] = b
+    self._done = want
+
+  def _build(self, sub: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Transition costs among the states ``sub`` (indices, holding those
+    :meth:`ensure` adds), vectorized over pairs for each axis order (the
+    same numbers as :func:`transition`, which stays the reference)."""
     mi = self._mi
-    st = np.array(self.states, dtype=np.int64).reshape(len(self.states), -1)
+    states = [self.states[i] for i in sub]
+    index = {s: i for i, s in enumerate(states)}
+    st = np.array(states, dtype=np.int64).reshape(len(states), -1)
     n, n_axes = st.shape
     sizes = np.array(mi.axis_sizes, dtype=np.float64)
     shape = np.array(self.shape, dtype=np.int64)
@@ -164,17 +212,16 @@ class StateSpace:
     # all-reduce, then the rest of the way (few pairs: only sources with two
     # or more P axes). The way to replicated first: the fallback below goes
     # through it.
-    rep = self.index[tuple(B for _ in range(n_axes))]
-    multi_p = [i for i, st_ in enumerate(self.states)
+    rep = index[tuple(B for _ in range(n_axes))]
+    multi_p = [i for i, st_ in enumerate(states)
                if sum(c == P for c in st_) >= 2]
 
     def joint_fix(cols):
       for i in multi_p:
         for j in cols:
-          joint = joint_all_reduce(self.states[i], self.states[j],
-                                   self.nbytes, mi)
+          joint = joint_all_reduce(states[i], states[j], self.nbytes, mi)
           if joint is not None:
-            k = self.index[joint[3]]
+            k = index[joint[3]]
             best_t[i, j] = joint[1] + best_t[k, j]
             best_b[i, j] = joint[2] + best_b[k, j]
 
@@ -187,18 +234,21 @@ class StateSpace:
     joint_fix(range(n))
     np.fill_diagonal(best_t, 0.0)
     np.fill_diagonal(best_b, 0.0)
-    self._time, self._bytes = best_t, best_b
+    return best_t, best_b
 
   @property
   def time(self) -> np.ndarray:
+    """Transition seconds [from state, to state] (NaN where not computed;
+    a space no one ensured is computed whole)."""
     if self._time is None:
-      self._build()
+      self.ensure()
     return self._time
 
   @property
   def bytes(self) -> np.ndarray:
+    """Transition bytes per device, as :attr:`time`."""
     if self._bytes is None:
-      self._build()
+      self.ensure()
     return self._bytes
 
 

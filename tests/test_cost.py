@@ -1,5 +1,7 @@
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 
@@ -7,7 +9,7 @@ import autoddl_jax as ad
 from autoddl_jax._cluster import mesh_info
 from autoddl_jax._cost import one_axis, transition, transition_steps
 from autoddl_jax._cost import valid_states
-from autoddl_jax._states import state_space
+from autoddl_jax._states import StateSpace, state_space
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
 A, BW, N, PP = 2e-6, 1e9, 4096.0, 4
@@ -73,7 +75,7 @@ def test_state_space_respects_divisibility_and_local_bytes():
 
 def test_transition_matrix_is_zero_on_the_diagonal_and_free_from_b():
   mi, _ = _mi()
-  sp = state_space((8, 16), 4, mi)
+  sp = StateSpace((8, 16), 4, mi)  # not the cached one: whole
   for i, s in enumerate(sp.states):
     assert sp.time[i, i] == 0
     if all(c == B for c in s):
@@ -101,12 +103,41 @@ def test_vectorized_matrix_matches_the_reference_transition(shape, mesh):
   names = ("x", "y", "z")[:len(mesh)]
   c = ad.Cluster(devices_per_node=4)
   mi = mesh_info(AbstractMesh(mesh, names), c)
-  sp = state_space(shape, 2, mi)
+  sp = StateSpace(shape, 2, mi)  # not the cached one: whole
   for i, s in enumerate(sp.states):
     for j, d in enumerate(sp.states):
       t, b = transition(s, d, sp.nbytes, shape, mi)
       assert sp.time[i, j] == pytest.approx(t, rel=1e-12, abs=1e-18)
       assert sp.bytes[i, j] == pytest.approx(b, rel=1e-12, abs=1e-18)
+
+
+@pytest.mark.parametrize("mesh", [(2, 4), (2, 2, 2), (4, 2, 2)])
+def test_a_space_computed_for_some_states_has_the_whole_ones_costs(mesh):
+  """Problems compute transitions among the states their candidates use
+  (StateSpace.ensure): those entries equal the whole space's, also where
+  a cost goes through a state outside them (replicated, or the state
+  after a joint all-reduce of several partial axes)."""
+  names = ("x", "y", "z")[:len(mesh)]
+  for combined in (False, True):
+    mi = dataclasses.replace(mesh_info(AbstractMesh(mesh, names),
+                                       ad.Cluster(devices_per_node=4)),
+                             combined=combined)
+    for shape in [(8, 16), (4, 4), (16, 8, 2, 8)]:
+      whole = StateSpace(shape, 2, mi)
+      part = StateSpace(shape, 2, mi)
+      n = len(part.states)
+      multi_p = [i for i, s in enumerate(part.states)
+                 if sum(c == P for c in s) >= 2]
+      rng = np.random.default_rng(n)
+      for picked in (multi_p[:3], rng.choice(n, n // 4, replace=False)):
+        part.ensure(picked)
+        done = np.flatnonzero(part._done)
+        assert set(np.asarray(picked).tolist()) <= set(done.tolist())
+        for m in ("time", "bytes"):
+          np.testing.assert_array_equal(
+              getattr(part, m)[np.ix_(done, done)],
+              getattr(whole, m)[np.ix_(done, done)])
+      assert len(done) < n
 
 
 @pytest.mark.parametrize("shape,mesh", [((8, 16), (2, 4)), ((6, 8, 4), (2, 2, 2))])
