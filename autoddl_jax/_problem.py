@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 
+from autoddl_jax._candidates import candidates
 from autoddl_jax._cluster import Cluster, MeshInfo
 from autoddl_jax._collectives import latency_steps
 from autoddl_jax._cost import transition_steps
@@ -29,7 +29,8 @@ from autoddl_jax._states import StateSpace, state_space
 from autoddl_jax._opgraph import OpGraph
 from autoddl_jax._op_demands import fixed_codes, op_collectives
 from autoddl_jax._memory import MEMORY_ALIAS_OPS, MemoryModel
-from autoddl_jax._sbp import B_CODE as B, P_CODE
+from autoddl_jax._pinned import pinned_dims, slot_pins
+from autoddl_jax._sbp import P_CODE
 
 
 
@@ -113,17 +114,21 @@ class Problem(MemoryModel):
     # inputs are literals) have the same candidates; a transformer repeats a
     # few structures many times, so each is enumerated once.
     structures: dict = {}
+    # A pipeline's stage (and replica) dims, held on their axes.
+    self.pins = pinned_dims(graph, mi)
     for op in graph.ops:
       slots = [graph.tensors[t].aval if t is not None else a
                for t, a in zip(op.ins, op.in_avals)]
       slots += [graph.tensors[t].aval for t in op.outs]
       literal = tuple([t is None for t in op.ins] + [False] * len(op.outs))
       fixed = fixed_codes(op, slots, mi)
+      pinned = slot_pins(op, self.pins)
       key = (tuple(op.sigs), literal,
              tuple((tuple(a.shape), a.dtype.itemsize) for a in slots),
-             len(op.ins), op.prim in MEMORY_ALIAS_OPS, fixed)
+             len(op.ins), op.prim in MEMORY_ALIAS_OPS, fixed, pinned)
       if key not in structures:
-        structures[key] = self._candidates(op, slots, literal, mi, fixed)
+        structures[key] = candidates(op, slots, literal, mi, fixed,
+                                     pinned)
       cands, slot_idx, spl, ob = structures[key]
       self.cands.append(cands)
       self.slot_idx.append(slot_idx)
@@ -164,49 +169,6 @@ class Problem(MemoryModel):
     self._set_groups(groups)
     self._liveness()
     self._flatten()
-
-  @staticmethod
-  def _candidates(op, slots, literal, mi: MeshInfo, fixed=None):
-    """(candidates, slot state indices, split factor, output bytes) of an op:
-    the product of its 1-D signatures over the mesh axes, keeping those whose
-    every slot's nd-SBP is a valid state (splits divide) and whose literal
-    inputs stay broadcast; with ``fixed`` (nd codes), only those whose
-    results have that layout."""
-    spaces = [state_space(a.shape, a.dtype.itemsize, mi) for a in slots]
-    all_b = next((i for i, (si, so) in enumerate(op.sigs)
-                  if all(c == B for c in (*si, *so))), 0)
-    per_axis = [range(len(op.sigs)) if s > 1 else [all_b]
-                for s in mi.axis_sizes]
-    full = [si + so for si, so in op.sigs]
-    seen = {}
-    for combo in itertools.product(*per_axis):
-      nd = []
-      for s in range(len(slots)):
-        codes = tuple(full[k][s] for k in combo)
-        if codes not in spaces[s].index or (
-            literal[s] and any(c != B for c in codes)):
-          break
-        nd.append(codes)
-      else:
-        seen.setdefault(tuple(nd), None)
-    cands = list(seen)
-    if fixed is not None:
-      cands = [c for c in cands if all(
-          f is None or c[s][a] == f for s in range(len(op.ins), len(slots))
-          for a, f in enumerate(fixed))] or cands
-    if not cands:  # cannot happen with an all-B signature; be safe
-      cands = [tuple(tuple(B for _ in range(mi.ndim)) for _ in slots)]
-    slot_idx = [np.array([spaces[s].index[c[s]] for c in cands],
-                         dtype=np.int32) for s in range(len(slots))]
-    # The devices that share the work: the axes some slot is split over.
-    split = (np.array(cands, dtype=np.int64) >= 0).any(axis=1)
-    spl = np.where(split, np.array(mi.axis_sizes, dtype=np.float64),
-                   1.0).prod(axis=1)
-    ob = np.zeros(len(cands))
-    if op.prim not in MEMORY_ALIAS_OPS:
-      for s in range(len(op.ins), len(slots)):
-        ob = ob + spaces[s].local_bytes[slot_idx[s]]
-    return cands, slot_idx, spl, ob
 
   def regroup(self, groups: Sequence[Sequence[int]]) -> Problem:
     """The same problem with other coordinates (shares every array)."""
