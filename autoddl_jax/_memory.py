@@ -184,6 +184,30 @@ class MemoryModel:
       out[i] = sp.local_bytes[self.slot_idx[p][slot][choice[p]]]
     return out
 
+  def peak_lower_bound(self) -> float:
+    """Bytes under which no plan's :meth:`peak_memory` falls: the
+    arguments, and the temporaries live at the program's busiest point,
+    each at the fewest bytes any candidate of its producer gives it. (A
+    temporary sits in the pool of temporaries or in a result's allocation
+    no smaller than it, so what is live at one point never exceeds the
+    pool's peak and the results together; reshards' buffers only add.)
+    A variant whose bound is over the budget cannot fit it: the planner
+    does not search it where another plan fits (``_planner``)."""
+    if not self.graph.ops:
+      return 0.0
+    g = self.graph
+    least = np.zeros(len(self._live))
+    for i, (tid, p, slot, _, _) in enumerate(self._live):
+      a = g.tensors[tid].aval
+      sp = state_space(a.shape, a.dtype.itemsize, self.mi)
+      least[i] = sp.local_bytes[self.slot_idx[p][slot]].min()
+    delta = np.zeros(len(g.ops) + 1)
+    for i in np.flatnonzero(self._live_kind == 2):
+      delta[self._live[i][3]] += least[i]
+      delta[self._live[i][4] + 1] -= least[i]
+    return float(least[self._live_kind == 0].sum() +
+                 np.cumsum(delta).max())
+
   def _allocations(self, choice) -> tuple[float, float, np.ndarray]:
     """(arguments, results, temporaries' curve) as XLA's buffer assignment
     makes allocations of the buffers (``memory_analysis`` = arguments +

@@ -30,12 +30,14 @@ from autoddl_jax.pipeline import Schedule
 
 SELECT_ENV = "AUTODDL_JAX_SELECT"  # the default of plan(select=...)
 SELECT_SECONDS = 120.0
-# plan_stages skips fitting what cannot win (tests turn it off to show that
-# doing so changes no plan).
+# plan_stages and Variants.fit skip fitting what cannot win (tests turn it
+# off to show that doing so changes no plan).
 PRUNE_SCHEDULES = True
 # Why a plan over the budget was not fitted to it (search_plan's ``beat``,
 # plan_stages' schedules): fitting only makes a plan slower.
 SLOWER = "slower than a plan that fits, without the budget"
+# ... and because no plan of it can fit (MemoryModel.peak_lower_bound).
+TOO_BIG = "no plan fits the budget: by the model it needs at least"
 
 
 def search_plan(program: Program, budget: float | None, verbose: bool,
@@ -109,13 +111,18 @@ class Variants:
     self.remats = False  # a remat variant was searched
     self.may_remat = may_remat
 
-  def fit(self, budget: float, beat: float = math.inf
-          ) -> tuple[Plan, NoFit | None, list]:
+  def fit(self, budget: float, beat: float = math.inf,
+          others_fit: bool = False
+          ) -> tuple[Plan | None, NoFit | None, list]:
     """``beat``: the time of a plan that fits already (another schedule's);
     a variant whose best plan without the budget is no faster is not
-    fitted (fitting only makes a plan slower)."""
-    options = []
-    for pol in self.policies:
+    fitted (fitting only makes a plan slower). A variant no plan of which
+    can fit (:meth:`~autoddl_jax._memory.MemoryModel.peak_lower_bound`)
+    is searched only where no plan fits at all (it may be the smallest):
+    last, and not where a plan fits already (``beat`` is finite, or
+    ``others_fit``); the plan is None where no variant is left."""
+    found, hopeless, least = {}, {}, math.inf  # by policy, in order
+    for i, pol in enumerate(self.policies):
       program = self.programs.get(pol)
       if program is None:
         program = self.programs[pol] = _program.build(
@@ -125,16 +132,32 @@ class Variants:
         if not _remat.has_checkpoint(program.traced.closed.jaxpr):
           break  # no layer stack nor repeated block: nothing to recompute
         self.remats = True
-      p, o = search_plan(program, budget, self.verbose, time.perf_counter(),
-                         zero=True, beat=beat)[:2]
-      options.append((p, o))
-      if o is None:
-        beat = min(beat, p.cost.time_s)
+      bound = program.problem.peak_lower_bound()
+      if PRUNE_SCHEDULES and bound > budget:
+        hopeless[i], least = program, min(least, bound)
+        if self.verbose:
+          print(f"[autoddl_jax] remat {pol}: no plan fits, it needs at "
+                f"least {format_bytes(bound)} by the model",
+                file=sys.stderr, flush=True)
+        continue
+      found[i] = self._search(program, budget, beat)
+      if found[i][1] is None:
+        beat = min(beat, found[i][0].cost.time_s)
+    if not (beat < math.inf or others_fit):  # nothing fits: the smallest
+      found.update((i, self._search(p, budget, beat))
+                   for i, p in hopeless.items())
+    options = [found[i] for i in sorted(found)]
+    if not options:
+      return None, NoFit(f"{TOO_BIG} {format_bytes(least)}", None), []
     fits = [i for i, (_, o) in enumerate(options) if o is None]
     pick = (min(fits, key=lambda i: options[i][0].cost.time_s) if fits else
             min(range(len(options)),
                 key=lambda i: options[i][0].cost.memory_bytes))
     return (*options[pick], options)
+
+  def _search(self, program: Program, budget: float, beat: float):
+    return search_plan(program, budget, self.verbose, time.perf_counter(),
+                       zero=True, beat=beat)[:2]
 
 
 def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
@@ -189,7 +212,10 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
                 f"that fits takes {bar(phase) * 1e3:.6g} ms",
                 file=sys.stderr, flush=True)
       else:
-        p, over, _ = variants.fit(budget, beat=bar(phase))
+        fitted_p, over, _ = variants.fit(
+            budget, beat=bar(phase),
+            others_fit=bool(fitted) or beat < math.inf)
+        p = fitted_p or p  # None: no variant can fit (over says why)
     if over is None:
       fitted.append(p.cost.time_s)
     return p.replace(search_s=time.perf_counter() - t0), over, variants

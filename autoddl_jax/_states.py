@@ -94,8 +94,9 @@ class StateSpace:
       want[np.asarray(list(used), dtype=np.int64)] = True
     rep = self.index[tuple(B for _ in self._mi.axis_sizes)]
     want[rep] = True
-    if self._done.any():
-      want |= self._done
+    if (want <= self._done).all():
+      return  # (done is closed under what costs go through)
+    want |= self._done
     multi = [i for i, st in enumerate(self.states)
              if sum(c == P for c in st) >= 2]
     grow = True

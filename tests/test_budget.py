@@ -270,6 +270,61 @@ def test_memory_by_category_sums_to_the_peak():
   assert cats["batch and other inputs"] > 0
 
 
+def test_no_plan_is_under_the_peak_lower_bound():
+  # Variants.fit does not search a remat variant whose bound is over the
+  # budget: the bound must hold for every choice of candidates.
+  from jax.sharding import AbstractMesh
+  from autoddl_jax import _program, _search, _seeds
+  step, args = _example(256, optax.adamw(1e-3))
+  rng = np.random.default_rng(0)
+  for mesh in [(8,), (2, 4)]:
+    amesh = AbstractMesh(mesh, ("data", "model")[:len(mesh)])
+    for remat in ("none", "nothing_saveable"):
+      prog = _program.build(step, args, amesh, TEST_CLUSTER, remat=remat)
+      prob = prog.problem
+      bound = prob.peak_lower_bound()
+      seeds = _seeds.seeds(prog)
+      plans = [_search.search(prob, seeds).choice]
+      plans += [_search.complete(prob, pins).choice
+                for pins in seeds.values()]
+      plans += [[int(rng.integers(len(c))) for c in prob.cands]
+                for _ in range(50)]
+      peaks = [prob.peak_memory(ch) for ch in plans]
+      assert bound <= min(peaks)
+      # not vacuous: a good part of the best plan's peak
+      assert bound > 0.25 * prob.peak_memory(plans[0])
+
+
+def test_a_variant_that_cannot_fit_is_not_searched(monkeypatch):
+  # Under 0.75x of the plain plan's peak the step as written cannot fit by
+  # the model (its bound is 0.95x): Variants.fit does not search it once a
+  # remat variant fits, and the plan is the one searching every variant
+  # finds.
+  from jax.sharding import AbstractMesh
+  from autoddl_jax import _planner
+  step, args = _example(2048)
+  mesh = AbstractMesh((8,), ("data",))
+  base = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
+                 remat="none", memory_budget=float("inf"))
+  budget = 0.75 * base.cost.memory_bytes
+  searches = []
+  search_plan = _planner.search_plan
+  monkeypatch.setattr(_planner, "search_plan", lambda *a, **k: (
+      searches.append(a[0].remat), search_plan(*a, **k))[1])
+  plans, searched = {}, {}
+  for prune in (True, False):
+    monkeypatch.setattr(_planner, "PRUNE_SCHEDULES", prune)
+    searches.clear()
+    plans[prune] = ad.plan(step, *args, mesh=mesh, cluster=TEST_CLUSTER,
+                           memory_budget=budget)
+    searched[prune] = list(searches)
+  a, b = plans[True], plans[False]
+  assert a.remat == b.remat != "none" and list(a.choice) == list(b.choice)
+  assert a.cost == b.cost and a.cost.memory_bytes <= budget
+  # the step as written: once without the budget, not fitted to it
+  assert searched[True].count("none") == 1 < searched[False].count("none")
+
+
 def _zero_boundary(args):
   """ZeRO-1/2 as a user writes it: parameters replicated, the optimizer's
   moments split over the data axis (dim 1: dim 0 stacks the layers), the batch split."""
