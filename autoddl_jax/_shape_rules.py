@@ -270,6 +270,20 @@ def select_and_gather_add(ins, outs, params):
   return factor_sigs(ins, outs, [letters, letters], [letters])
 
 
+def _clamped(params) -> bool:
+  """Whether out-of-range start indices are clamped (or promised in range).
+
+  A dim sliced whole can then only start at 0, whatever its index says, so
+  it passes through like a dim the index does not name: vmapped
+  `dynamic_slice`/`dynamic_update_slice` name every dim (a per-stage ring
+  buffer's slot read), and XLA splits such dims with no collective
+  (measured). Under FILL_OR_DROP a nonzero start would fill or drop the
+  slice instead, so that mode keeps the stricter rule.
+  """
+  mode = params.get("mode")
+  return mode is not None and "FILL_OR_DROP" not in str(mode)
+
+
 def gather(ins, outs, params):
   operand, idx = ins
   out = outs[0]
@@ -285,7 +299,8 @@ def gather(ins, outs, params):
   passthrough = [d for d in range(operand.rank)
                  if d not in collapsed and d not in obatch]
   for d, od in zip(passthrough, offset_dims):
-    if slice_sizes[d] == operand.shape[d] and d not in start_map:
+    if slice_sizes[d] == operand.shape[d] and (
+        d not in start_map or _clamped(params)):
       sigs.append(((d, B), (od,)))
   # Index batch dims -> output batch dims (the index vector dim is last).
   out_batch = [d for d in range(out.rank) if d not in offset_dims]
@@ -315,7 +330,8 @@ def scatter_add(ins, outs, params):
   window_operand = [d for d in range(operand.rank)
                     if d not in inserted and d not in obatch]
   for d, ud in zip(window_operand, uwd):
-    if upd.shape[ud] == operand.shape[d] and d not in s2o:
+    if upd.shape[ud] == operand.shape[d] and (
+        d not in s2o or _clamped(params)):
       sigs.append(((d, B, ud), (d,)))
   upd_scatter = [d for d in range(upd.rank) if d not in uwd]
   for i, ud in zip(range(idx.rank - 1), upd_scatter):
