@@ -50,6 +50,30 @@ def _replicated(codes) -> tuple[int, ...]:
   return tuple(B for _ in codes)
 
 
+def _candidate_traits(memo: dict, cands, n_ins: int):
+  """(whether each candidate splits every slot alike on every axis -- all
+  True where none does --, each candidate's number of split results)."""
+  hit = memo.get(id(cands))
+  if hit is None or hit[0] is not cands:
+    ok = np.array([all(_uniform(c) for c in cand) for cand in cands])
+    if not ok.any():
+      ok[:] = True
+    split_outs = np.array([sum(any(c != B for c in cand[s])
+                               for s in range(n_ins, len(cand)))
+                           for cand in cands])
+    hit = memo[id(cands)] = (cands, ok, split_outs)
+  return hit[1], hit[2]
+
+
+def _replicated_states(memo: dict, space) -> np.ndarray:
+  """Whether each state of ``space`` is replicated on every axis."""
+  hit = memo.get(id(space))
+  if hit is None or hit[0] is not space:
+    hit = memo[id(space)] = (space, np.array(
+        [all(c == B for c in st) for st in space.states], dtype=bool))
+  return hit[1]
+
+
 def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
   """The choice XLA's propagation makes from ``pins`` {op id: candidate}
   (see the module docstring)."""
@@ -60,14 +84,17 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
     for m in prob.groups[int(prob.group_of[o])]:
       choice[m] = k
   states = [e.space.states for e in prob.edges]
+  # Ops of one structure share their candidate list (Problem), and edges of
+  # one tensor type their state space: what propagation asks of each is
+  # computed once per list and per space, not per op and per edge.
+  traits: dict[int, tuple] = {}
+  rep: dict[int, tuple] = {}
   for op in graph.ops:
     if choice[op.id] >= 0:
       continue
     members = prob.groups[int(prob.group_of[op.id])]
     cands = prob.cands[op.id]
-    ok = np.array([all(_uniform(c) for c in cand) for cand in cands])
-    if not ok.any():
-      ok[:] = True
+    ok, split_outs = _candidate_traits(traits, cands, len(op.ins))
     nk = len(cands)
     bad = np.zeros(nk)  # a partial sum taken to anything but replicated
     moved = np.zeros(nk)  # split operands whose layout changes
@@ -83,8 +110,7 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
           cost += e.weight * e.space.time[src, dst]
           have = states[ei][src]
           if P in have:
-            bad += np.array([states[ei][d] != _replicated(have)
-                             for d in dst])
+            bad += ~_replicated_states(rep, e.space)[dst]
           elif all(c == B for c in have):
             sliced += dst != src
           else:
@@ -93,9 +119,6 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
           src = prob.slot_idx[m][e.prod_slot]
           dst = prob.slot_idx[e.cons][e.cons_slot][choice[e.cons]]
           cost += e.weight * e.space.time[src, dst]
-    split_outs = np.array([sum(any(c != B for c in cand[s])
-                               for s in range(len(op.ins), len(cand)))
-                           for cand in cands])
     order = np.lexsort((split_outs, cost, sliced, moved, bad, ~ok))
     k = int(order[0])
     for m in members:
