@@ -46,32 +46,26 @@ def _uniform(codes) -> bool:
   return all(c == codes[0] for c in codes)
 
 
-def _replicated(codes) -> tuple[int, ...]:
-  return tuple(B for _ in codes)
-
-
 def _candidate_traits(memo: dict, cands, n_ins: int):
   """(whether each candidate splits every slot alike on every axis -- all
   True where none does --, each candidate's number of split results)."""
-  hit = memo.get(id(cands))
-  if hit is None or hit[0] is not cands:
+  if id(cands) not in memo:
     ok = np.array([all(_uniform(c) for c in cand) for cand in cands])
     if not ok.any():
       ok[:] = True
     split_outs = np.array([sum(any(c != B for c in cand[s])
                                for s in range(n_ins, len(cand)))
                            for cand in cands])
-    hit = memo[id(cands)] = (cands, ok, split_outs)
-  return hit[1], hit[2]
+    memo[id(cands)] = ok, split_outs
+  return memo[id(cands)]
 
 
 def _replicated_states(memo: dict, space) -> np.ndarray:
   """Whether each state of ``space`` is replicated on every axis."""
-  hit = memo.get(id(space))
-  if hit is None or hit[0] is not space:
-    hit = memo[id(space)] = (space, np.array(
-        [all(c == B for c in st) for st in space.states], dtype=bool))
-  return hit[1]
+  if id(space) not in memo:
+    memo[id(space)] = np.array(
+        [all(c == B for c in st) for st in space.states], dtype=bool)
+  return memo[id(space)]
 
 
 def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
@@ -86,9 +80,10 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
   states = [e.space.states for e in prob.edges]
   # Ops of one structure share their candidate list (Problem), and edges of
   # one tensor type their state space: what propagation asks of each is
-  # computed once per list and per space, not per op and per edge.
-  traits: dict[int, tuple] = {}
-  rep: dict[int, tuple] = {}
+  # computed once per list and per space, not per op and per edge (keyed by
+  # id: the problem holds every list and space for the whole call).
+  traits: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+  rep: dict[int, np.ndarray] = {}
   for op in graph.ops:
     if choice[op.id] >= 0:
       continue
@@ -108,10 +103,10 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
           src = prob.slot_idx[e.prod][e.prod_slot][choice[e.prod]]
           dst = prob.slot_idx[m][e.cons_slot]
           cost += e.weight * e.space.time[src, dst]
-          have = states[ei][src]
-          if P in have:
-            bad += ~_replicated_states(rep, e.space)[dst]
-          elif all(c == B for c in have):
+          replicated = _replicated_states(rep, e.space)
+          if P in states[ei][src]:
+            bad += ~replicated[dst]
+          elif replicated[src]:
             sliced += dst != src
           else:
             moved += dst != src
