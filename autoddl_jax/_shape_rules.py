@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from jax.lax import GatherScatterMode
 
 from autoddl_jax._factors import LETTERS, Aval, Sig, SigFn, all_b, dedup
 from autoddl_jax._factors import dims, elementwise, factor_sigs
@@ -280,8 +281,9 @@ def _clamped(params) -> bool:
   (measured). Under FILL_OR_DROP a nonzero start would fill or drop the
   slice instead, so that mode keeps the stricter rule.
   """
-  mode = params.get("mode")
-  return mode is not None and "FILL_OR_DROP" not in str(mode)
+  mode = params.get("mode")  # a GatherScatterMode in a jaxpr
+  return mode is not None and (GatherScatterMode.from_any(mode)
+                               != GatherScatterMode.FILL_OR_DROP)
 
 
 def gather(ins, outs, params):
