@@ -30,6 +30,20 @@ from autoddl_jax._problem import Problem
 __all__ = ["Plan", "PlanCost", "cost_of", "hand_plan", "load_plan", "plan"]
 
 
+def _pipeline_arg(pipeline) -> tuple[int | None, int | None]:
+  """``plan(pipeline=...)`` as (stages or None, repeats or None)."""
+  def count(v):
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
+  if pipeline is None or count(pipeline):
+    return pipeline, None
+  if isinstance(pipeline, tuple) and len(pipeline) == 2 and all(
+      count(v) for v in pipeline) and pipeline[0] > 1:
+    return pipeline
+  raise ValueError(f"pipeline must be None (the planner decides), 1 (no "
+                   f"stages), a stage count S > 1 or (S, V) for S stages "
+                   f"of V circular chunks each, got {pipeline!r}")
+
+
 def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
          cluster: Cluster | None = None,
          memory_budget: float | str | None = None,
@@ -37,7 +51,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
          select_s: float = _planner.SELECT_SECONDS,
          alternatives: int = 2,
          remat: str | Sequence[str] | None = None,
-         pipeline: int | None = None) -> Plan:
+         pipeline: int | tuple[int, int] | None = None) -> Plan:
   """Finds a sharding plan for ``fn(*args)`` on ``mesh``.
 
   Args:
@@ -99,8 +113,13 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       fitted to the budget (not fitted where its best plan without the
       budget is already slower than one that fits), and a pipelined plan is
       returned only where it is faster than the best plan without stages.
-      An int ``S > 1`` forces ``S`` stages (the schedule over which axis,
-      and the microbatches, are still chosen); ``1`` turns pipelining off.
+      The best schedule is planned again with circular (interleaved)
+      stages too (:attr:`autoddl_jax.pipeline.Schedule.repeats`: each
+      stage holds the stack's chunks ``s, s + S, ..``, and the bubble is
+      ``(S-1)/(V*M+S-1)``). An int ``S > 1`` forces ``S`` stages (the
+      schedule over which axis, and the microbatches, are still chosen);
+      ``(S, V)`` forces ``S`` stages of ``V`` circular chunks each; ``1``
+      turns pipelining off.
 
   Returns:
     A :class:`Plan`.
@@ -122,10 +141,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
                      f"{alternatives!r}")
   if remat is not None:
     remat = _remat.validate(remat)
-  if pipeline is not None and (isinstance(pipeline, bool) or not isinstance(
-      pipeline, int) or pipeline < 1):
-    raise ValueError(f"pipeline must be None (the planner decides), 1 (no "
-                     f"stages) or a stage count > 1, got {pipeline!r}")
+  pipeline, repeats = _pipeline_arg(pipeline)
   if verbose is None:
     verbose = sys.stderr.isatty()
   cluster = H100_NODE if cluster is None else cluster
@@ -162,18 +178,27 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
   calls = [] if pipeline == 1 else _pipeline.calls(
       program.traced.closed.jaxpr)
   staged = pipeline != 1 and _stages.options(calls, program.mesh_info,
-                                              pipeline)
+                                              pipeline, repeats)
   if pipeline not in (None, 1) and not staged:
-    raise ValueError(f"pipeline={pipeline}: cannot plan {pipeline} stages: "
-                     + _stages.why_none(calls, program.mesh_info, pipeline))
+    asked = pipeline if repeats is None else (pipeline, repeats)
+    what = f"{pipeline} stages" + (f" of {repeats} circular chunks"
+                                   if repeats else "")
+    raise ValueError(f"pipeline={asked}: cannot plan {what}: "
+                     + _stages.why_none(calls, program.mesh_info, pipeline,
+                                        repeats))
   if staged:
     # Pipeline stages: each schedule planned and fitted as the step is;
     # the fastest that fits wins (forced: among the schedules only).
     tried = _planner.plan_stages(
         fn, args, mesh, cluster, verbose, staged, [c.batch for c in calls],
         budget, variants.may_remat, policy,
+        layers=math.gcd(*(c.layers for c in calls)), repeats=repeats,
         beat=best.cost.time_s if pipeline is None and over is None
         else math.inf)
+    if not tried:  # forced circular stages, and too few microbatches
+      raise ValueError(
+          f"pipeline={(pipeline, repeats)}: circular stages need at least "
+          f"{pipeline} microbatches, and the batch does not hold that many")
     if pipeline is None:
       tried.append((best, over, variants))
     best, over, variants = min(tried, key=lambda t: (

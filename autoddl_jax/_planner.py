@@ -161,14 +161,19 @@ class Variants:
 
 
 def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
-                budget, may_remat: bool, policy, beat: float = math.inf
+                budget, may_remat: bool, policy, beat: float = math.inf,
+                layers: int | None = None, repeats: int | None = None
                 ) -> list[tuple[Plan, NoFit | None, Variants]]:
   """The plans of the pipeline schedules ``opts`` ((mesh axis, stages),
   :func:`_stages.options`), each fitted to ``budget`` as :func:`plan`
   fits the step as written: (plan, why it does not fit or None, its
   variants). Every schedule is planned with its first microbatch count;
   the best two of them with the other counts too. ``beat``: the time of
-  the plan without stages, where it fits.
+  the plan without stages, where it fits. ``repeats`` forces circular
+  stages of that many chunks on every schedule; None: GPipe, and then the
+  best schedule that fits (else the best) with
+  :func:`_stages.circular_repeats` chunks of the ``layers``, where the
+  batch holds no twice as many microbatches.
 
   A schedule (or one of its remat variants) whose best plan without the
   budget is already no faster than a plan that fits is not fitted: fitting
@@ -188,18 +193,19 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
       return sorted(fitted)[1] if len(fitted) > 1 else math.inf
     return min(fitted + [beat])
 
-  def one(axis, stages, m, phase):
+  def one(axis, stages, m, phase, v=1):
     smesh, name = _stages.stage_mesh(mesh, mi, axis, stages)
     t0 = time.perf_counter()
     if verbose:
-      print(f"[autoddl_jax] pipeline: {stages} stages over {name!r}, {m} "
-            "microbatches", file=sys.stderr, flush=True)
+      print(f"[autoddl_jax] pipeline: {stages} stages over {name!r}"
+            + (f" of {v} circular chunks" if v > 1 else "")
+            + f", {m} microbatches", file=sys.stderr, flush=True)
     split = None if smesh is mesh else mi.axis_names[axis]
     reps, count = _stages.replica_axes(_program.mesh_info(smesh, cluster),
                                        name, [b // m for b in batches])
     program = _program.build(fn, args, smesh, cluster, remat=policy,
                              schedule=Schedule(stages, m, name, split, reps,
-                                               count))
+                                               count, v))
     p, over, peak = search_plan(program, None, verbose, t0)
     p = p.replace(memory_budget=budget)
     variants = Variants(fn, args, verbose, program, may_remat=may_remat)
@@ -220,14 +226,28 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
       fitted.append(p.cost.time_s)
     return p.replace(search_s=time.perf_counter() - t0), over, variants
 
+  v = repeats or 1
+
+  def counts(stages):  # circular stages need M >= S
+    return [m for m in _stages.microbatch_counts(stages, batches)
+            if v == 1 or m >= stages]
+
   firsts = {}
   for axis, stages in opts:
-    m = _stages.microbatch_counts(stages, batches)[0]
-    firsts[(axis, stages)] = one(axis, stages, m, "first")
+    if counts(stages):
+      firsts[(axis, stages)] = one(axis, stages, counts(stages)[0], "first",
+                                   v)
   out = list(firsts.values())
   for axis, stages in sorted(firsts, key=lambda k: rank(firsts[k]))[:2]:
-    for m in _stages.microbatch_counts(stages, batches)[1:]:
-      out.append(one(axis, stages, m, "more"))
+    for m in counts(stages)[1:]:
+      out.append(one(axis, stages, m, "more", v))
+  if repeats is None and layers is not None and out:
+    best = min(out, key=rank)[0].schedule
+    v = _stages.circular_repeats(layers, best.stages, best.microbatches,
+                                 batches)
+    if v is not None:
+      axis = mi.axis_names.index(best.split_from or best.axis)
+      out.append(one(axis, best.stages, best.microbatches, "more", v))
   return out
 
 

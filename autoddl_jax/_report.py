@@ -124,9 +124,11 @@ def explain(plan: Plan, max_rows: int = 40) -> str:
            f"sustained, {format_bytes(cl.memory_per_device)} per device"]
   sched = plan.schedule
   if sched is not None and sched.stages > 1:
+    kind = "GPipe" if sched.repeats == 1 else \
+        f"circular, {sched.repeats} chunks per stage"
     lines.append(
         f"pipeline: {sched.stages} stages over mesh axis {sched.axis!r} "
-        f"(GPipe, ad.pipeline.scan), {sched.microbatches} microbatches, "
+        f"({kind}, ad.pipeline.scan), {sched.microbatches} microbatches, "
         f"{sched.ticks} ticks: bubble {sched.bubble:.1%} of each stage's "
         f"ticks; per-stage memory is the peak below (a device holds one "
         f"stage); the data-parallel column is this pipelined program's")

@@ -5,7 +5,8 @@ xs)`` over a stack of layers (``xs``: the stacked layer parameters, ``init``:
 the activations, ``f(carry, x) -> (carry, None)``). Outside planning, and
 whenever a plan uses one stage, it *is* ``lax.scan``. When the planner
 traces the step for ``S`` stages and ``M`` microbatches
-(``ad.plan(..., pipeline=...)``) it runs a GPipe schedule in plain JAX:
+(``ad.plan(..., pipeline=...)``) it runs a GPipe (or circular) schedule
+in plain JAX:
 
 * the stack's layer dim ``L`` becomes ``(S, L/S)`` -- stage ``s`` holds layers
   ``s*L/S .. (s+1)*L/S - 1`` -- and the batch (``batch_axis`` of every carry
@@ -24,7 +25,17 @@ traces the step for ``S`` stages and ``M`` microbatches
   those axes (data parallelism inside a stage) and each microbatch is dealt
   over it: each replica's weight gradient is accumulated apart over the
   ticks and summed once after the loop, where a gradient accumulated as a
-  partial sum would be reduced by XLA on every tick.
+  partial sum would be reduced by XLA on every tick;
+* with ``Schedule.repeats = V > 1`` (circular, interleaved stages), the
+  layers become ``(S, V, L/S/V)`` -- chunk ``v`` of stage ``s`` is the stack's
+  ``(v*S + s)``-th -- the shift is a ring (stage ``S-1``'s result comes round
+  to stage 0, still one collective-permute), and each microbatch goes round
+  it ``V`` times: ``V*M + S - 1`` ticks, a bubble of ``(S-1)/(V*M+S-1)``.
+  Stage ``s`` at tick ``t`` works on round ``(t - s) // M``; a microbatch
+  back on stage 0 waits ``M - S`` ticks in a queue (so ``M >= S``) until
+  its next round starts. Each layer reads its weights from the round's
+  chunk inside the layer, so the weights stay loop-invariant: read once
+  per tick outside it, they would be kept for every tick as residuals.
 
 The schedule computes the same function as ``lax.scan`` (tests hold loss and
 gradients to the unsharded step at rel 1e-5). The cost model needs nothing
@@ -70,17 +81,21 @@ class Schedule:
   # trip) and are summed once after the loop. () : none.
   replicas: tuple[str, ...] = ()
   replica_count: int = 1  # the product of the replica axes' sizes
+  # Circular (interleaved) stages: each stage holds ``repeats`` chunks of
+  # the stack, and every microbatch goes round the ring of stages that
+  # many times (1: GPipe). Needs microbatches >= stages.
+  repeats: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "replicas", tuple(self.replicas))
-    for name in ("stages", "microbatches", "replica_count"):
+    for name in ("stages", "microbatches", "replica_count", "repeats"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"Schedule.{name} must be an int >= 1, got {v!r}")
 
   @property
   def ticks(self) -> int:
-    return self.microbatches + self.stages - 1
+    return self.repeats * self.microbatches + self.stages - 1
 
   @property
   def bubble(self) -> float:
@@ -160,28 +175,35 @@ fixed). The rule is elementwise; the cost model charges a collective-permute
 of each device's block wherever ``axis`` is split."""
 
 
-def _shift_impl(x, *, shift: int, axis: int, placement):
+def _shift_impl(x, *, shift: int, axis: int, placement, ring: bool = False):
   del placement
+  if ring:  # the last block comes round to the first: one permute ring
+    return jnp.roll(x, shift, axis)
   pad = [(0, 0, 0)] * x.ndim
   pad[axis] = (shift, -shift, 0)  # negative padding drops the far end
   return lax.pad(x, jnp.zeros((), x.dtype), pad)
 
 
-def _shift_batch(args, dims, *, shift, axis, placement):
+def _shift_batch(args, dims, *, shift, axis, placement, ring=False):
   (x,), (d,) = args, dims
   if d is not batching.not_mapped:
     axis += d <= axis
     placement = tuple((a, k + (d <= k)) for a, k in placement)
-  return stage_shift_p.bind(x, shift=shift, axis=axis,
-                            placement=placement), d
+  return _bind_shift(x, shift, axis, placement, ring), d
 
 
-def _shift_transpose(ct, x, *, shift, axis, placement):
+def _shift_transpose(ct, x, *, shift, axis, placement, ring=False):
   del x
   if type(ct) is jad.Zero:
     return (ct,)
-  return (stage_shift_p.bind(ct, shift=-shift, axis=axis,
-                             placement=placement),)
+  return (_bind_shift(ct, -shift, axis, placement, ring),)
+
+
+def _bind_shift(x, shift, axis, placement, ring):
+  # A GPipe shift binds no ``ring`` param: its jaxpr stays as it was.
+  extra = {"ring": True} if ring else {}
+  return stage_shift_p.bind(x, shift=shift, axis=axis, placement=placement,
+                            **extra)
 
 
 stage_shift_p.def_impl(_shift_impl)
@@ -194,16 +216,18 @@ mlir.register_lowering(stage_shift_p, mlir.lower_fun(
 
 def stage_shift(x: jax.Array, mesh_axis: str, shift: int = 1,
                 axis: int = 0, replicas: tuple[str, ...] = (),
-                replica_dim: int | None = None) -> jax.Array:
+                replica_dim: int | None = None, ring: bool = False
+                ) -> jax.Array:
   """``x`` moved ``shift`` places along ``axis`` (stage ``s`` gets stage
-  ``s - shift``'s block), zeros coming in; the plan splits ``axis`` over
-  ``mesh_axis`` and ``replica_dim`` over the ``replicas`` axes."""
+  ``s - shift``'s block), zeros coming in (``ring``: the block moved off
+  the end comes in); the plan splits ``axis`` over ``mesh_axis`` and
+  ``replica_dim`` over the ``replicas`` axes."""
   if shift not in (1, -1):
     raise ValueError(f"stage_shift moves one stage (+1 or -1), got {shift}")
   axis %= x.ndim
   placement = ((mesh_axis, axis),) + tuple(
       (a, replica_dim % x.ndim) for a in replicas)
-  return stage_shift_p.bind(x, shift=shift, axis=axis, placement=placement)
+  return _bind_shift(x, shift, axis, placement, ring)
 
 
 # -------------------------------------------------------------- the scan
@@ -272,11 +296,16 @@ def scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, *,
 
 def _pipelined(f, init, xs, batch_axis: int, layers: int,
                sched: Schedule):
-  S, M = sched.stages, sched.microbatches
+  S, M, V = sched.stages, sched.microbatches, sched.repeats
   batch = _batch(init, batch_axis)
-  if layers % S:
+  if layers % (S * V):
     raise ValueError(f"ad.pipeline.scan: {layers} layers do not split into "
-                     f"{S} stages; use a stage count that divides them")
+                     f"{S} stages" + (f" of {V} circular chunks" if V > 1
+                                      else "")
+                     + "; use a stage count that divides them")
+  if V > 1 and M < S:
+    raise ValueError(f"ad.pipeline.scan: circular stages need at least as "
+                     f"many microbatches as stages, got {M} for {S}")
   if batch is None or batch % M:
     raise ValueError(
         f"ad.pipeline.scan: the carry's batch dim {batch_axis} "
@@ -289,8 +318,13 @@ def _pipelined(f, init, xs, batch_axis: int, layers: int,
     raise ValueError(f"ad.pipeline.scan: a microbatch of {batch // M} rows "
                      f"does not split into {R} replicas")
   tmap = jax.tree_util.tree_map
-  stages = tmap(lambda a: a.reshape(S, layers // S, *a.shape[1:]), xs)
-  if R > 1:  # (S, R, L/S, ...): each replica's copy, its gradient its own
+  T = sched.ticks
+  if V == 1:  # (S, L/S, ...): stage s holds layers s*L/S ..
+    stages = tmap(lambda a: a.reshape(S, layers // S, *a.shape[1:]), xs)
+  else:  # (S, V, L/S/V, ...): chunk v of stage s is the (v*S + s)-th
+    stages = tmap(lambda a: jnp.swapaxes(a.reshape(
+        V, S, layers // S // V, *a.shape[1:]), 0, 1), xs)
+  if R > 1:  # (S, R, ...): each replica's copy, its gradient its own
     stages = tmap(lambda a: jnp.broadcast_to(
         a[:, None], (S, R, *a.shape[1:])), stages)
 
@@ -309,34 +343,79 @@ def _pipelined(f, init, xs, batch_axis: int, layers: int,
 
   micro = tmap(deal, init)
   feed = tmap(lambda a: jnp.concatenate(
-      [a, jnp.zeros((S - 1, *a.shape[1:]), a.dtype)]), micro)
+      [a, jnp.zeros((T - M, *a.shape[1:]), a.dtype)]), micro)
 
-  def stage(params, h):  # one stage's layers on one microbatch
+  def stage(params, h, v=None):  # one stage's layers on one microbatch
     h = tmap(lambda a: jnp.moveaxis(a, 0, batch_axis), h)
-    h, _ = lax.scan(f, h, params)  # remat (autoddl_jax._remat) applies here
+    if v is None:
+      h, _ = lax.scan(f, h, params)  # remat (autoddl_jax._remat) applies
+    else:
+      # Layer j of this round's chunk v, read inside the layer: the weights
+      # stay loop-invariant (a remat policy recomputes the read), where a
+      # chunk read per tick would be kept as a residual of every tick --
+      # the stage's weights again for each (357 GiB per device on the 175B
+      # GPT at 16 stages of 2 chunks, M=128, against 15 GiB for GPipe).
+      def layer(h, j):
+        return f(h, tmap(lambda a: a[v, j], params))
+      h, _ = lax.scan(layer, h, jnp.arange(layers // S // V))
     return tmap(lambda a: jnp.moveaxis(a, batch_axis, 0), h)
 
-  run = jax.vmap(jax.vmap(stage)) if R > 1 else jax.vmap(stage)
+  if V == 1:
+    run = jax.vmap(jax.vmap(stage)) if R > 1 else jax.vmap(stage)
+  else:
+    run = jax.vmap(jax.vmap(stage, in_axes=(0, 0, None))) if R > 1 \
+        else jax.vmap(stage)
 
   def where_stage(s, a, b):
     idx = lax.broadcasted_iota(jnp.int32, b.shape, 0)
     return jnp.where(idx == s, a, b)
 
-  def tick(state, mb):
+  # Circular: stage S-1's result comes round to stage 0 (the ring shift),
+  # which takes it up D = M - S ticks later, when that microbatch's next
+  # round starts (a first-in first-out queue of D slots on every stage,
+  # read on stage 0).
+  D = M - S
+
+  def tick(carry, step):
+    # GPipe's loop carries the stages' state alone and reads the feed;
+    # a circular one a queue too, and the tick's index.
+    (state, queue), (mb, t) = (carry, step) if V > 1 else \
+        ((carry, None), (step, None))
     moved = tmap(lambda a: stage_shift(
         a, sched.axis, replicas=sched.replicas if R > 1 else (),
-        replica_dim=1), state)
-    inp = tmap(lambda m, a: where_stage(0, jnp.broadcast_to(m[None], a.shape),
-                                        a), mb, moved)
-    out = run(stages, inp)
+        replica_dim=1, ring=V > 1), state)
+    if V == 1:
+      inp = tmap(lambda m, a: where_stage(
+          0, jnp.broadcast_to(m[None], a.shape), a), mb, moved)
+    else:
+      back = moved
+      if D:
+        back = tmap(lambda q: q[:, 0], queue)
+        queue = tmap(lambda q, a: jnp.concatenate([q[:, 1:], a[:, None]], 1),
+                     queue, moved)
+      # stage 0 takes a new microbatch for the first M ticks, then one
+      # coming round
+      inp = tmap(lambda m, b, a: where_stage(0, jnp.where(
+          t < M, jnp.broadcast_to(m[None], a.shape), b), a), mb, back, moved)
+    if V == 1:
+      out = run(stages, inp)
+    else:  # stage s works on item t - s: round (t - s) // M of it
+      out = run(stages, inp, jnp.clip((t - jnp.arange(S)) // M, 0, V - 1))
     # The last stage's result, as a sum over the stage dim with the others
     # masked: a partial sum over the stage axis, reduced once after the loop.
     last = tmap(lambda a: where_stage(S - 1, a, jnp.zeros_like(a)).sum(0),
                 out)
-    return out, last
+    return ((out, queue) if V > 1 else out), last
 
   state0 = tmap(lambda a: jnp.zeros((S, *a.shape[1:]), a.dtype), micro)
+  queue0 = tmap(lambda a: jnp.zeros((S, D, *a.shape[1:]), a.dtype), micro) \
+      if V > 1 and D else None
   # The tick loop as jax wrote it: a remat policy recomputes the layers
   # (the scan in ``stage``), not whole stages on top of that.
-  _, ys = _LAX_SCAN(tick, state0, feed)
-  return tmap(lambda a: gather(a[S - 1:]), ys)
+  if V == 1:
+    _, ys = _LAX_SCAN(tick, state0, feed)
+  else:
+    _, ys = _LAX_SCAN(tick, (state0, queue0),
+                      (feed, jnp.arange(T, dtype=jnp.int32)))
+  # the last round's results: microbatch m leaves at (V-1)*M + S-1 + m
+  return tmap(lambda a: gather(a[T - M:]), ys)

@@ -60,6 +60,31 @@ def test_the_schedule_computes_the_same_function(stages, micro, replicas):
   assert ("scan" in names) and (stages == 1 or len(closed.jaxpr.eqns) > 5)
 
 
+@pytest.mark.parametrize("stages,micro,repeats,replicas", [
+    (2, 2, 2, 1), (2, 3, 2, 1), (2, 6, 4, 1), (4, 4, 2, 1), (4, 6, 2, 1),
+    (2, 4, 2, 3)])
+def test_circular_stages_compute_the_same_function(stages, micro, repeats,
+                                                   replicas):
+  # Each stage holds chunks s, s + S, ..; a microbatch goes round the ring
+  # `repeats` times, waiting M - S ticks on stage 0 between rounds.
+  ws = jax.random.normal(jax.random.key(0), (8, 8, 8)) / 3
+  x = jax.random.normal(jax.random.key(1), (3, 12, 8))
+
+  def loss(w, x):
+    return jnp.sum(pipeline.scan(_layer, x, w, batch_axis=1)[0] ** 2)
+
+  want = jax.value_and_grad(loss, argnums=(0, 1))(ws, x)
+  sched = pipeline.Schedule(stages, micro, "pp", None,
+                            ("dp",) if replicas > 1 else (), replicas,
+                            repeats=repeats)
+  assert sched.ticks == repeats * micro + stages - 1
+  with pipeline.scheduled(sched):
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(ws, x)
+  got = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, ws, x)
+  for g, w in zip(got, jax.tree.leaves(want)):
+    assert _rel(g, w) < 1e-5
+
+
 def test_bad_input_says_what_to_change():
   ws = jnp.zeros((3, 8, 8))
   x = jnp.zeros((6, 8))
@@ -77,12 +102,28 @@ def test_bad_input_says_what_to_change():
     pipeline.scan(_layer, x, (jnp.zeros((3, 8, 8)), jnp.zeros((2, 8))))
   with pytest.raises(ValueError, match="Schedule.stages"):
     pipeline.Schedule(0, 1, "pp")
+  with pipeline.scheduled(pipeline.Schedule(2, 2, "pp", repeats=2)):
+    with pytest.raises(ValueError, match="6 layers do not split into 2 "
+                       "stages of 2 circular chunks"):
+      jax.make_jaxpr(lambda w, x: pipeline.scan(_layer, x, w))(
+          jnp.zeros((6, 8, 8)), x)
+  with pipeline.scheduled(pipeline.Schedule(4, 2, "pp", repeats=2)):
+    with pytest.raises(ValueError, match="at least as many microbatches"):
+      jax.make_jaxpr(lambda w, x: pipeline.scan(_layer, x, w))(
+          jnp.zeros((8, 8, 8)), x)
   ex = models.llama(models.LlamaConfig(pipeline=False))
   with pytest.raises(ValueError, match="calls no ad.pipeline.scan"):
     ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)), cluster=TEST_CLUSTER,
             pipeline=2)
   with pytest.raises(ValueError, match="pipeline must be"):
     ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)), pipeline=0)
+  with pytest.raises(ValueError, match="pipeline must be"):
+    ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)), pipeline=(1, 2))
+  ex = models.llama()  # 4 layers
+  with pytest.raises(ValueError, match=r"pipeline=\(2, 3\): .* do not split "
+                     "into 2 stages of 3 circular chunks"):
+    ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)), cluster=TEST_CLUSTER,
+            pipeline=(2, 3))
 
 
 def test_stage_meshes_split_a_slow_axis():
@@ -100,6 +141,16 @@ def test_stage_meshes_split_a_slow_axis():
   assert _stages.options(calls, mi, 2) == [(1, 2)]  # a whole axis first
   assert _stages.options([pipeline.Call(4, 8, True)], mi, None) == []
   assert _stages.microbatch_counts(2, [8]) == [8, 4]
+  # Circular stages are tried where the batch holds no twice as many
+  # microbatches (else GPipe at 2M has their bubble), with the fewest
+  # chunks the stage's layers split into, and M >= S.
+  assert _stages.circular_repeats(8, 2, 8, [8]) == 2
+  assert _stages.circular_repeats(12, 2, 8, [8]) == 2
+  assert _stages.circular_repeats(18, 2, 8, [8]) == 3
+  assert _stages.circular_repeats(8, 2, 8, [16]) is None
+  assert _stages.circular_repeats(8, 8, 8, [8]) is None  # one layer each
+  assert _stages.circular_repeats(8, 4, 2, [2]) is None  # M < S
+  assert _stages.options(calls, mi, None, repeats=2) == [(0, 2), (1, 2)]
 
 
 def test_the_stage_axis_keeps_the_stage_dim(monkeypatch):
@@ -146,8 +197,10 @@ def _permute_axes(plan, compiled):
 
 # Each mesh, stage count and optimizer once in the default run (about a
 # minute each on 2 cores); the rest of the product with `pytest -m slow`.
-_CASES = [((2, 4), 2, "sgd_momentum"), ((4, 2), 4, "adamw")]
-_SLOW = [(m, s, o) for m in ((2, 4), (4, 2)) for s in (2, 4)
+# (S, V): S circular stages of V chunks each.
+_CASES = [((2, 4), 2, "sgd_momentum"), ((4, 2), 4, "adamw"),
+          ((2, 4), (2, 2), "adamw")]
+_SLOW = [(m, s, o) for m in ((2, 4), (4, 2)) for s in (2, 4, (2, 2))
          for o in sorted(OPTIMIZERS) if (m, s, o) not in _CASES]
 
 
@@ -161,7 +214,11 @@ def test_pipelined_llama_equals_the_unsharded_step(shape, stages, opt):
   plan = ad.plan(ex.step, *ex.args, mesh=make_mesh(shape),
                  cluster=TEST_CLUSTER, pipeline=stages, select="model")
   sched = plan.schedule
+  stages, repeats = stages if isinstance(stages, tuple) else (stages, None)
   assert sched is not None and sched.stages == stages
+  assert repeats is None or sched.repeats == repeats
+  if repeats:
+    assert f"circular, {repeats} chunks per stage" in plan.explain()
   assert plan.mesh.shape[sched.axis] == stages
   # data parallelism across the nodes inside a stage: a replica dim
   assert sched.replicas == (("data",) if sched.axis == "model" else ())
