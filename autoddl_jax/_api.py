@@ -98,8 +98,11 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       (the default): the planner decides -- where the best plan without
       remat does not fit the budget by the model, the step is planned again
       with every stack and block under ``jax.checkpoint`` with
-      ``"dots_saveable"`` and with ``"nothing_saveable"``, and the fastest
-      plan that fits wins (the recomputed FLOPs and the smaller residuals
+      ``"dots_saveable"``, ``"dots_with_no_batch_dims_saveable"`` (the
+      weight matmuls kept, the attention's batched ones recomputed:
+      Megatron's selective recomputation, also inside a pipelined stage's
+      vmaps) and ``"nothing_saveable"``, and the fastest plan that fits
+      wins (the recomputed FLOPs and the smaller residuals
       are in the traced program the model costs). A policy name forces it
       on both; a sequence gives one per scan in the order the step calls
       them (repeated blocks then stay as written); ``"none"`` turns it off.

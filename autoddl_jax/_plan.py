@@ -62,7 +62,8 @@ class Plan:
       time spent compiling candidates, apart from it.
     remat: the ``jax.checkpoint`` policy the step's scanned layer stacks
       (and, for one policy name, its repeated unrolled blocks) were traced
-      with (``"none"``, ``"dots_saveable"``, ``"nothing_saveable"``;
+      with (``"none"``, ``"dots_saveable"``,
+      ``"dots_with_no_batch_dims_saveable"``, ``"nothing_saveable"``;
       a tuple: one per scan, in call order) -- part of the program this plan
       lowers (:mod:`autoddl_jax._remat`).
     memory_budget: bytes per device the plan was made to fit (None: no

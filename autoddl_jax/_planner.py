@@ -128,10 +128,14 @@ class Variants:
         program = self.programs[pol] = _program.build(
             self.fn, self.args, self.mesh, self.cluster, remat=pol,
             schedule=self.schedule)
+        program.memo["declined_dots"] = _remat.declined_dots()
       if pol != self.policy:
         if not _remat.has_checkpoint(program.traced.closed.jaxpr):
           break  # no layer stack nor repeated block: nothing to recompute
         self.remats = True
+        if pol == _remat.SELECTIVE and "dots_saveable" in self.programs \
+            and not program.memo["declined_dots"]:
+          continue  # no batched dot: dots_saveable's program again
       bound = program.problem.peak_lower_bound()
       if PRUNE_SCHEDULES and bound > budget:
         hopeless[i], least = program, min(least, bound)

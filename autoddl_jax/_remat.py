@@ -38,17 +38,84 @@ import jax.extend
 import numpy as np
 from jax import lax
 
+_state = threading.local()
+_original_scan = lax.scan
+
+
+class NoBatchDotsSaveable:
+  """``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` for a
+  layer that runs inside ``levels`` vmaps: a pipelined stage
+  (:mod:`autoddl_jax.pipeline`) vmaps its layers over the stage dim (and
+  a replica dim), and each vmap that batches both operands of a matmul
+  gives it one more batch dim -- jax's own policy would then save no dot
+  at all. Saved: the outputs of matmuls with no batch dims of the layer's
+  own (the weight matmuls); recomputed: the attention's batched ones
+  (scores and their product with the values) and everything
+  elementwise -- Megatron's selective activation recomputation
+  (Korthikanti et al. 2022), which recomputes few FLOPs and frees the
+  largest residuals (a head's seq x seq scores). Which residuals a policy
+  keeps changes no numerics: the planner costs the program it traces.
+
+  A dot ``dots_saveable`` would save and this does not is noted
+  (:func:`declined_dots`): where there is none the traced program is
+  ``dots_saveable``'s, and the planner does not plan it twice."""
+
+  def __init__(self, levels: int = 0):
+    self.levels = levels
+
+  def __call__(self, prim, *args, **params) -> bool:
+    if prim is lax.dot_general_p:
+      (_, _), (lhs_b, rhs_b) = params["dimension_numbers"]
+      saved = len(lhs_b) <= self.levels and len(rhs_b) <= self.levels
+    else:
+      saved = bool(jax.checkpoint_policies.dots_with_no_batch_dims_saveable(
+          prim, *args, **params))
+    if not saved and jax.checkpoint_policies.dots_saveable(prim, *args,
+                                                            **params):
+      _state.declined = True
+    return saved
+
+  def __repr__(self):
+    return f"NoBatchDotsSaveable(levels={self.levels})"
+
+
+SELECTIVE = "dots_with_no_batch_dims_saveable"
 # Policies by name, cheapest in FLOPs first (and largest in memory).
 POLICIES: dict[str, object] = {
     "none": None,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    SELECTIVE: NoBatchDotsSaveable(0),
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
 }
 NONE = "none"
-AUTO = ("dots_saveable", "nothing_saveable")  # what plan(remat=None) tries
+AUTO = ("dots_saveable", SELECTIVE, "nothing_saveable")  # plan(remat=None)
 
-_state = threading.local()
-_original_scan = lax.scan
+
+def _checkpoint_policy(name: str):
+  """The policy object of ``name`` for a layer traced now: inside the
+  vmaps of a pipelined stage (:func:`stage_vmaps`), the selective policy
+  excuses their batch dims."""
+  if name == SELECTIVE:
+    return NoBatchDotsSaveable(getattr(_state, "vmaps", 0))
+  return POLICIES[name]
+
+
+@contextlib.contextmanager
+def stage_vmaps(levels: int) -> Iterator[None]:
+  """Layers traced inside are vmapped ``levels`` times over (a pipelined
+  stage's dim, and its replicas'): :class:`NoBatchDotsSaveable`."""
+  before = getattr(_state, "vmaps", 0)
+  _state.vmaps = before + levels
+  try:
+    yield
+  finally:
+    _state.vmaps = before
+
+
+def declined_dots() -> bool:
+  """Whether the last trace under :func:`scan_policy` held a dot that the
+  selective policy recomputes and ``dots_saveable`` saves."""
+  return getattr(_state, "declined", False)
 
 
 def _policy_for(index: int) -> str:
@@ -63,7 +130,7 @@ def _scan(f, init, xs=None, length=None, **kwargs):
   _state.calls += 1
   name = _policy_for(index)
   if name != NONE:
-    f = jax.checkpoint(f, policy=POLICIES[name], prevent_cse=False)
+    f = jax.checkpoint(f, policy=_checkpoint_policy(name), prevent_cse=False)
   return _original_scan(f, init, xs, length, **kwargs)
 
 
@@ -80,6 +147,8 @@ def validate(policy: str | Sequence[str]) -> str | tuple[str, ...]:
 def scan_policy(policy: str | Sequence[str]) -> Iterator[None]:
   """Trace with every ``jax.lax.scan`` call's body under ``policy``."""
   policy = validate(policy)
+  if getattr(_state, "policy", None) is None:
+    _state.declined = False  # (declined_dots)
   if policy == NONE:
     yield
     return
@@ -279,7 +348,8 @@ def _run_checkpointed(closed, runs, policy, flat_args):
                               debug_info=jaxpr.debug_info), [])
     fn = jax.extend.core.jaxpr_as_fun(piece)
     if block:
-      fn = jax.checkpoint(fn, policy=POLICIES[policy], prevent_cse=True)
+      fn = jax.checkpoint(fn, policy=_checkpoint_policy(policy),
+                          prevent_cse=True)
     env.update(zip(outs, fn(*[env[v] for v in ins])))
   return [v.val if isinstance(v, jax.extend.core.Literal) else env[v]
           for v in jaxpr.outvars]

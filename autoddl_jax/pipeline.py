@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
+from autoddl_jax import _remat
 from autoddl_jax._shift import stage_shift, stage_shift_p  # noqa: F401 (re-exported)
 
 __all__ = ["Schedule", "scan", "stage_shift"]
@@ -296,10 +297,16 @@ def _pipelined(f, init, xs, batch_axis: int, layers: int,
     return tmap(lambda a: jnp.moveaxis(a, batch_axis, 0), h)
 
   if V == 1:
-    run = jax.vmap(jax.vmap(stage)) if R > 1 else jax.vmap(stage)
+    vmapped = jax.vmap(jax.vmap(stage)) if R > 1 else jax.vmap(stage)
   else:
-    run = jax.vmap(jax.vmap(stage, in_axes=(0, 0, None))) if R > 1 \
+    vmapped = jax.vmap(jax.vmap(stage, in_axes=(0, 0, None))) if R > 1 \
         else jax.vmap(stage)
+
+  def run(*a):
+    # A remat policy that saves the layers' weight matmuls tells them from
+    # the attention's batched ones past these vmaps' batch dims.
+    with _remat.stage_vmaps(2 if R > 1 else 1):
+      return vmapped(*a)
 
   def where_stage(s, a, b):
     idx = lax.broadcasted_iota(jnp.int32, b.shape, 0)

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import autoddl_jax as ad
-from autoddl_jax import _planner, _program, _stages, pipeline
+from autoddl_jax import _planner, _program, _remat, _stages, pipeline
 from autoddl_jax.testing import llama as models
 from conftest import TEST_CLUSTER
 from helpers import make_mesh
@@ -346,3 +346,80 @@ def test_skipping_schedules_that_cannot_win_changes_no_plan(monkeypatch):
   assert a.cost.time_s == b.cost.time_s
   assert a.cost.memory_bytes <= budget
   assert counts[True] < counts[False]  # 18 against 24 when written
+
+
+def _attention_layer(x, w):  # a weight matmul, then a batched one
+  q = x @ w
+  return jnp.tanh(jnp.einsum("bqd,bkd->bqk", q, q)).sum()
+
+
+def _residual_shapes(fn, *args):
+  """The shapes of what ``fn``'s backward keeps: its vjp closes over
+  them."""
+  return {tuple(np.shape(a)) for a in jax.tree.leaves(jax.vjp(fn, *args)[1])}
+
+
+def test_the_selective_policy_keeps_weight_matmuls_inside_stage_vmaps():
+  x = jnp.ones((2, 3, 5))
+  w = jnp.ones((5, 7))
+  q, scores = (2, 3, 7), (2, 3, 3)
+  sel = _remat.NoBatchDotsSaveable
+  # Outside a pipeline: jax's dots_with_no_batch_dims_saveable.
+  kept = _residual_shapes(jax.checkpoint(_attention_layer, policy=sel(0)),
+                          x, w)
+  assert q in kept and scores not in kept
+  # A stage's vmaps batch every dot: jax's policy then saves none of them,
+  # this one still saves the weight matmul and recomputes the scores.
+  for levels in (1, 2):
+    xs, ws = x[(None,) * levels], w[(None,) * levels]
+    lead = (1,) * levels
+    f = _attention_layer
+    g = jax.checkpoint(f, policy=jax.checkpoint_policies.
+                       dots_with_no_batch_dims_saveable)
+    h = jax.checkpoint(f, policy=sel(levels))
+    for _ in range(levels):
+      g, h = jax.vmap(g), jax.vmap(h)
+    assert lead + q not in _residual_shapes(
+        lambda a, b, g=g: g(a, b).sum(), xs, ws)
+    kept = _residual_shapes(lambda a, b, h=h: h(a, b).sum(), xs, ws)
+    assert lead + q in kept and lead + scores not in kept
+  # The planner traces a layer stack under it once it recomputes a dot
+  # dots_saveable would keep (else the program is dots_saveable's).
+  for layer, declined in ((_attention_layer, True),
+                          (lambda x, w: jnp.tanh(x @ w).sum(), False)):
+    def loss(ws, x, layer=layer):
+      return jax.lax.scan(lambda c, w: (c + layer(x, w), None), 0.0, ws)[0]
+    with _remat.scan_policy(_remat.SELECTIVE):
+      jax.make_jaxpr(jax.grad(loss))(jnp.ones((2, 5, 7)), x)
+    assert _remat.declined_dots() is declined
+
+
+def test_selective_remat_of_a_pipelined_llama_is_what_xla_compiles(tmp_path):
+  # Recomputing only the attention's batched dots (and what is
+  # elementwise) sits between the two jax policies in FLOPs and memory,
+  # in the compiled program as in the model, and computes the same step.
+  ex = models.llama(models.LlamaConfig(batch=32, seq=32),
+                    optimizer=OPTIMIZERS["sgd_momentum"](), return_grads=True)
+  want = jax.jit(ex.step)(*ex.args)
+  v = {}
+  for pol in ("dots_saveable", _remat.SELECTIVE, "nothing_saveable"):
+    plan = ad.plan(ex.step, *ex.args, mesh=make_mesh((2, 4)),
+                   cluster=TEST_CLUSTER, pipeline=2, select="model",
+                   remat=pol)
+    assert plan.remat == pol and plan.schedule.stages == 2
+    v[pol] = plan.verify()
+    if pol == _remat.SELECTIVE:
+      for g, w in zip(jax.tree.leaves(plan.jit()(*ex.args)),
+                      jax.tree.leaves(want)):
+        assert _rel(g, w) < 1e-5
+      plan.save(tmp_path / "plan.json")  # traced again with its policy
+      back = ad.load_plan(tmp_path / "plan.json", ex.step, *ex.args,
+                          mesh=make_mesh((2, 4)), cluster=TEST_CLUSTER)
+      assert back.remat == pol and back.cost == plan.cost
+  dots, sel, nothing = v.values()
+  assert dots.xla_flops < sel.xla_flops < nothing.xla_flops
+  assert dots.xla_memory > sel.xla_memory > nothing.xla_memory
+  assert (dots.predicted_memory > sel.predicted_memory >
+          nothing.predicted_memory)
+  assert abs(sel.predicted_flops_loops_once / sel.xla_flops - 1) < 0.05
+  assert abs(sel.predicted_memory / sel.xla_memory - 1) < 0.3
