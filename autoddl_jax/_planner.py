@@ -176,8 +176,8 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
   the plan without stages, where it fits. ``repeats`` forces circular
   stages of that many chunks on every schedule; None: GPipe, and then the
   best schedule that fits (else the best) with
-  :func:`_stages.circular_repeats` chunks of the ``layers``, where the
-  batch holds no twice as many microbatches.
+  :func:`_stages.circular_repeats` chunks of the ``layers``, where
+  GPipe with twice its microbatches was not planned.
 
   A schedule (or one of its remat variants) whose best plan without the
   budget is already no faster than a plan that fits is not fitted: fitting

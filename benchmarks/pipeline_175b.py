@@ -36,8 +36,11 @@ def row(name, plan, seconds):
   devices = plan.mesh_info.size
   bound = 6 * PARAMS * CFG.batch * CFG.seq / (devices * cl.peak_flops)
   s = plan.schedule
-  sched = "-" if s is None else f"{s.stages}x over {s.axis}, M={s.microbatches}"
-  print(f"{name:<12} {sched:<26} remat {str(plan.remat):<17} "
+  sched = "-" if s is None else (  # V: circular chunks per stage
+      f"{s.stages}x over {s.axis}, "
+      + ("" if s.repeats == 1 else f"V={s.repeats}, ")
+      + f"M={s.microbatches}")
+  print(f"{name:<12} {sched:<29} remat {str(plan.remat):<17} "
         f"{c.time_s:8.3f} s  compute {c.compute_s:7.3f} s  comm "
         f"{c.comm_s:7.3f} s  mem {c.memory_bytes / 2**30:6.1f} GiB  "
         f"MFU {bound / c.time_s:5.1%}  planned in {seconds:6.1f} s",

@@ -141,13 +141,18 @@ def test_stage_meshes_split_a_slow_axis():
   assert _stages.options(calls, mi, 2) == [(1, 2)]  # a whole axis first
   assert _stages.options([pipeline.Call(4, 8, True)], mi, None) == []
   assert _stages.microbatch_counts(2, [8]) == [8, 4]
-  # Circular stages are tried where the batch holds no twice as many
-  # microbatches (else GPipe at 2M has their bubble), with the fewest
-  # chunks the stage's layers split into, and M >= S.
+  # Circular stages are tried where GPipe at twice the microbatches was
+  # not planned (else it has their bubble, and was compared), with the
+  # fewest chunks the stage's layers split into, and M >= S.
   assert _stages.circular_repeats(8, 2, 8, [8]) == 2
   assert _stages.circular_repeats(12, 2, 8, [8]) == 2
   assert _stages.circular_repeats(18, 2, 8, [8]) == 3
+  assert _stages.microbatch_counts(2, [16]) == [8, 4, 16]
   assert _stages.circular_repeats(8, 2, 8, [16]) is None
+  # M = 8S, the most tried: the batch holds 2M, but GPipe was not planned
+  # with it.
+  assert _stages.microbatch_counts(2, [64]) == [8, 4, 16]
+  assert _stages.circular_repeats(8, 2, 16, [64]) == 2
   assert _stages.circular_repeats(8, 8, 8, [8]) is None  # one layer each
   assert _stages.circular_repeats(8, 4, 2, [2]) is None  # M < S
   assert _stages.options(calls, mi, None, repeats=2) == [(0, 2), (1, 2)]
