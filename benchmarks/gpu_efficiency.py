@@ -120,7 +120,8 @@ STAGES = {  # name -> (layers, d_model, local heads, local MLP width, batch)
 }
 SEQ = 2048
 DEFAULT_CASES = ("matmul", "tp8:nothing_saveable", "tp8:dots_saveable",
-                 "tp8:none", "tp8-b2:nothing_saveable", "full:nothing_saveable")
+                 "tp8:dots_with_no_batch_dims_saveable", "tp8:none",
+                 "tp8-b2:nothing_saveable", "full:nothing_saveable")
 
 
 def stage_grad(heads, policy, fused=False):
@@ -183,7 +184,7 @@ def predict(path):
   print(f"measured on {meas['device']} (jax {meas['jax']}); predicted by "
         f"the default Cluster (peak {cl.peak_flops / 1e12:.0f} TFLOP/s x "
         f"flops_efficiency {cl.flops_efficiency})")
-  print(f"{'stage':<10} {'remat':<17} {'FLOPs':>10} {'predicted':>10} "
+  print(f"{'stage':<10} {'remat':<32} {'FLOPs':>10} {'predicted':>10} "
         f"{'measured':>9} {'pred/meas':>9} {'eff':>6} {'6ND MFU':>8}")
   for r in meas["rows"]:
     if r["case"] not in STAGES:
@@ -201,7 +202,7 @@ def predict(path):
     flops = p.cost.compute_s * cl.peak_flops * cl.flops_efficiency
     n = layers * (4 * d * heads * 128 + 2 * d * ff)  # the stage's weights
     six_nd = 6 * n * batch * SEQ
-    print(f"{r['case']:<10} {r['policy']:<17} {flops / 1e12:8.2f} T "
+    print(f"{r['case']:<10} {r['policy']:<32} {flops / 1e12:8.2f} T "
           f"{p.cost.compute_s * 1e3:8.2f} ms {r['seconds'] * 1e3:7.2f} ms "
           f"{p.cost.compute_s / r['seconds']:9.3f} "
           f"{flops / r['seconds'] / PEAK:6.1%} "
@@ -230,7 +231,7 @@ def main(argv=None):
       name, policy = case.split(":")
       cases.append(lambda name=name, policy=policy: stage_case(name, policy))
   rows = []
-  print(f"{'case':<40} {'remat':<17} {'XLA TFLOP':>10} {'ms':>9} "
+  print(f"{'case':<40} {'remat':<32} {'XLA TFLOP':>10} {'ms':>9} "
         f"{'TFLOP/s':>8} {'of peak':>8}", flush=True)
   for make in cases:
     try:
@@ -239,7 +240,7 @@ def main(argv=None):
       print(f"failed: {type(e).__name__}: {e}"[:400], flush=True)
       continue
     rows.append(r)
-    print(f"{r['case']:<40} {r['policy']:<17} {r['flops'] / 1e12:10.2f} "
+    print(f"{r['case']:<40} {r['policy']:<32} {r['flops'] / 1e12:10.2f} "
           f"{r['seconds'] * 1e3:9.2f} {r['tflops']:8.1f} {r['eff']:8.1%}",
           flush=True)
     if args.out:
