@@ -11,8 +11,8 @@ for data or tensor parallelism. :func:`options` lists the schedules to plan
 :func:`microbatch_counts` (dividing every batch: ``4S`` first for every
 schedule, the others for the best two only) and
 :func:`circular_repeats` (circular stages, for the best schedule where
-GPipe with twice its microbatches was not planned), and :func:`stage_mesh` makes the
-mesh a schedule is planned on.
+GPipe with twice its microbatches was not planned), and
+:func:`stage_mesh` makes the mesh a schedule is planned on.
 """
 
 from __future__ import annotations
