@@ -208,20 +208,26 @@ def _path_cost(src, dst, order, nbytes, shape, mi: MeshInfo, steps=None,
 
 
 def joint_all_reduce(src: Sequence[int], dst: Sequence[int], nbytes: float,
-                     mi: MeshInfo):
+                     mi: MeshInfo, shape: Sequence[int]):
   """A partial sum on several axes made replicated on all of them: XLA emits
   one all-reduce over their joint group, at the slowest of their links (not
   one per axis, which would move the whole tensor once per axis).
   Free slices the target makes (B -> S on the device, in tile order) come
-  first, so the all-reduce moves the smaller blocks.
+  first, so the all-reduce moves the smaller blocks -- each where the
+  block still divides ``shape`` with it (on 4 axes a slice of the target
+  and a split the source keeps may cut one dim finer than it divides).
   Returns (axes, time, bytes sent per device, state after) or None."""
   axes = tuple(a for a in range(len(src)) if src[a] == P and dst[a] == B)
   if len(axes) < 2:
     return None
   k = len(src)
-  sliced = [a for a in range(k) if src[a] == B and dst[a] >= 0 and not any(
-      dst[a] in (src[b], dst[b]) for b in range(a + 1, k))]
-  pre = tuple(dst[a] if a in sliced else c for a, c in enumerate(src))
+  pre = tuple(src)
+  for a in range(k):
+    if src[a] == B and dst[a] >= 0 and not any(
+        dst[a] in (src[b], dst[b]) for b in range(a + 1, k)):
+      sliced = pre[:a] + (dst[a],) + pre[a + 1:]
+      if splits_divide(sliced, shape, mi.axis_sizes):
+        pre = sliced
   p = math.prod(mi.axis_sizes[a] for a in axes)
   n = nbytes / split_factor(pre, mi.axis_sizes)
   alpha = 0.0 if mi.combined else max(mi.alpha[a] for a in axes)
@@ -246,7 +252,7 @@ def _cheapest_path(src: tuple[int, ...], dst: tuple[int, ...], nbytes: float,
   lowering pins them in turn so that XLA takes this path."""
   if src == dst:
     return 0.0, 0.0, [], []
-  joint = joint_all_reduce(src, dst, nbytes, mi)
+  joint = joint_all_reduce(src, dst, nbytes, mi, shape)
   if joint is not None:  # XLA reduces such partials together: cost that
     axes, jt, jb, mid = joint
     t, b, steps, states = _cheapest_path(mid, dst, nbytes, shape, mi)

@@ -108,7 +108,7 @@ class StateSpace:
           continue
         for j in cols:
           joint = joint_all_reduce(self.states[i], self.states[j],
-                                   self.nbytes, self._mi)
+                                   self.nbytes, self._mi, self.shape)
           if joint is not None and not want[self.index[joint[3]]]:
             want[self.index[joint[3]]] = grow = True
     if (want <= self._done).all():
@@ -220,7 +220,8 @@ class StateSpace:
     def joint_fix(cols):
       for i in multi_p:
         for j in cols:
-          joint = joint_all_reduce(states[i], states[j], self.nbytes, mi)
+          joint = joint_all_reduce(states[i], states[j], self.nbytes, mi,
+                                   self.shape)
           if joint is not None:
             k = index[joint[3]]
             best_t[i, j] = joint[1] + best_t[k, j]

@@ -7,7 +7,8 @@ from jax.sharding import AbstractMesh
 
 import autoddl_jax as ad
 from autoddl_jax._cluster import mesh_info
-from autoddl_jax._cost import one_axis, transition, transition_steps
+from autoddl_jax._cost import joint_all_reduce, one_axis, transition
+from autoddl_jax._cost import transition_steps
 from autoddl_jax._cost import valid_states
 from autoddl_jax._states import StateSpace, state_space
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
@@ -98,9 +99,10 @@ def test_transition_falls_back_through_replicated_when_no_order_divides():
 
 
 @pytest.mark.parametrize("shape,mesh", [((8, 16), (2, 4)), ((4, 4), (2, 4)),
-                                        ((6, 8, 4), (2, 2, 2)), ((8,), (8,))])
+                                        ((6, 8, 4), (2, 2, 2)), ((8,), (8,)),
+                                        ((2,), (2, 2, 2, 2))])
 def test_vectorized_matrix_matches_the_reference_transition(shape, mesh):
-  names = ("x", "y", "z")[:len(mesh)]
+  names = ("x", "y", "z", "w")[:len(mesh)]
   c = ad.Cluster(devices_per_node=4)
   mi = mesh_info(AbstractMesh(mesh, names), c)
   sp = StateSpace(shape, 2, mi)  # not the cached one: whole
@@ -167,3 +169,25 @@ def test_partial_on_two_axes_reduces_in_one_joint_all_reduce():
   assert steps == [("all-reduce", (0, 1), pytest.approx(b))]
   # (P, P) -> (S(0), B) is not such a pair: reduce-scatter + all-reduce.
   assert transition((P, P), (0, B), n, (64, 64), mi)[1] < b
+
+
+def test_a_joint_all_reduce_slices_first_only_where_the_block_divides():
+  """On 4 axes a slice the target makes and a split the source keeps can
+  cut one dim finer than it divides: (P, S0, P, B) -> (B, B, B, S0) of a
+  (2,) vector on (2, 2, 2, 2). The joint all-reduce then runs on the
+  unsliced blocks, and every state it goes through is a valid one (this
+  raised KeyError while building a 4-axis problem)."""
+  mi = mesh_info(AbstractMesh((2, 2, 2, 2), ("a", "b", "c", "d")),
+                 ad.Cluster(devices_per_node=4))
+  src, dst, n = (P, 0, P, B), (B, B, B, 0), 8.0
+  axes, _, sent, mid = joint_all_reduce(src, dst, n, mi, (2,))
+  assert axes == (0, 2) and mid == (B, 0, B, B)
+  assert sent == pytest.approx(2 * 3 / 4 * n / 2)  # blocks of n/2
+  # Where the slice divides, it still comes first: the blocks are n/4.
+  assert joint_all_reduce(src, dst, n, mi, (4,))[3] == (B, 0, B, 0)
+  for shape in [(2,), (2, 4), (4, 2)]:
+    states = set(valid_states(shape, mi.axis_sizes))
+    for s in states:
+      for d in states:
+        j = joint_all_reduce(s, d, n, mi, shape)
+        assert j is None or j[3] in states, (s, d)
