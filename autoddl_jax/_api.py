@@ -111,7 +111,8 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       stacks (:mod:`autoddl_jax.pipeline`). ``None`` (the default): the
       planner decides -- the step is traced again for each stage count
       ``S > 1`` that divides a mesh axis and the layer count (over a whole
-      axis, or the major part of a larger one, :mod:`autoddl_jax._stages`)
+      axis, or the major part of a larger one on a mesh of two axes,
+      :mod:`autoddl_jax._stages`)
       and a few microbatch counts, each planned by the same search and
       fitted to the budget (not fitted where its best plan without the
       budget is already slower than one that fits), and a pipelined plan is

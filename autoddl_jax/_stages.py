@@ -30,6 +30,13 @@ from autoddl_jax.pipeline import Call
 # bubble; past ~8S the bubble is under 1/9 and per-tick latencies grow.
 MICROBATCHES_PER_STAGE = (4, 2, 8)  # the first for every schedule
 MAX_AXES = 4  # mesh_info's limit: an axis split adds one
+# The planner splits an axis for stages by itself only on a mesh of at most
+# this many axes. A split of a third gives four, and a rank-r tensor has up
+# to (r+2)**4 layouts on four axes, every pair of them costed: the 175B GPT's
+# first schedule on (2, 64, 2, 4) was still being planned after 7 minutes and
+# 10 GiB, against 2.3 s on (2, 64, 8); a tiny GPT plans in 221 s on (2, 2,
+# 2, 2) against 3 s on (2, 2, 2). A forced stage count may still split one.
+AUTO_SPLIT_AXES = 2
 
 
 def stage_axis_name(axis: str, names: Sequence[str]) -> str:
@@ -87,17 +94,19 @@ def options(calls: Sequence[Call], mi: MeshInfo, stages: int | None,
   its link is not inside one node (the slow link is where stages pay, and
   a third mesh axis makes the search slower), and for a forced count only
   where no whole axis has it. Empty where the step has no
-  ``ad.pipeline.scan`` that can be pipelined."""
+  ``ad.pipeline.scan`` that can be pipelined. Unforced, an axis is split
+  only on a mesh of :data:`AUTO_SPLIT_AXES` axes at most."""
   if not calls or any(c.has_ys or c.batch is None for c in calls):
     return []
   layers = math.gcd(*(c.layers for c in calls))
+  most = MAX_AXES if stages is not None else AUTO_SPLIT_AXES + 1
   out = []
   for a, n in enumerate(mi.axis_sizes):
     for s in _divisors(n):
       if s < 2 or layers % (s * (repeats or 1)) or (
           stages is not None and s != stages):
         continue
-      if s == n or (mi.link[a] != "intra" and len(mi.axis_sizes) < MAX_AXES):
+      if s == n or (mi.link[a] != "intra" and len(mi.axis_sizes) < most):
         out.append((a, s))
   if stages is not None and any(mi.axis_sizes[a] == s for a, s in out):
     # Forced: a whole axis of that size is the schedule a user means.

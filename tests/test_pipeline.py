@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import autoddl_jax as ad
 from autoddl_jax import _planner, _program, _remat, _stages, pipeline
@@ -156,6 +156,13 @@ def test_stage_meshes_split_a_slow_axis():
   assert _stages.circular_repeats(8, 8, 8, [8]) is None  # one layer each
   assert _stages.circular_repeats(8, 4, 2, [2]) is None  # M < S
   assert _stages.options(calls, mi, None, repeats=2) == [(0, 2), (1, 2)]
+  # On three axes the planner splits none by itself (four axes make every
+  # tensor's layouts too many to plan in time); a forced count still may.
+  mi3 = _program.mesh_info(AbstractMesh((8, 2, 2), ("data", "a", "b")),
+                           TEST_CLUSTER)
+  assert mi3.link[0] != "intra"
+  assert _stages.options(calls, mi3, None) == [(1, 2), (2, 2)]
+  assert _stages.options(calls, mi3, 4) == [(0, 4)]
 
 
 def test_the_stage_axis_keeps_the_stage_dim(monkeypatch):
