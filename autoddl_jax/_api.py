@@ -113,10 +113,12 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       ``S > 1`` that divides a mesh axis and the layer count (over a whole
       axis, or the major part of a larger one on a mesh of two axes,
       :mod:`autoddl_jax._stages`)
-      and a few microbatch counts, each planned by the same search and
-      fitted to the budget (not fitted where its best plan without the
-      budget is already slower than one that fits), and a pipelined plan is
-      returned only where it is faster than the best plan without stages.
+      and a few microbatch counts, each planned by the same search, and
+      fitted to the budget best first (the fastest plan without the budget
+      first; a schedule is not fitted where that plan is already no faster
+      than one that fits, nor is the plan without stages), and a
+      pipelined plan is returned only where it is faster than the best
+      plan without stages.
       The best schedule is planned again with circular (interleaved)
       stages too (:attr:`autoddl_jax.pipeline.Schedule.repeats`: each
       stage holds the stack's chunks ``s, s + S, ..``, and the bubble is
@@ -161,24 +163,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
       fn, args, verbose, program,
       may_remat=remat is None and not _remat.has_checkpoint(
           program.traced.closed.jaxpr))
-  options = [(base, over)]
-  if budget is not None and free_peak > budget:
-    # It does not fit: shard more, shard the optimizer state apart from the
-    # parameters (ZeRO-1/2), recompute a layer's activations in the
-    # backward pass -- the model prices each, and the fastest plan that
-    # fits wins.
-    picked, over, options = variants.fit(budget)
-    best = picked.replace(search_s=time.perf_counter() - t0)
-    if over is not None:
-      tried = ("the optimizer state sharded apart from the parameters"
-               + (" and the layer stacks and repeated blocks "
-                  "rematerialised (" + ", ".join(_remat.AUTO) + ")"
-                  if variants.remats else
-                  f", with remat={policy!r} as asked" if remat is not None
-                  else "; the step has no jax.lax.scan layer stack or "
-                  "repeated block without its own jax.checkpoint to "
-                  "rematerialise"))
-      over = _budget.NoFit(f"{over} Tried: {tried}.", over.result)
+  options, picked = [(base, over)], None
   calls = [] if pipeline == 1 else _pipeline.calls(
       program.traced.closed.jaxpr)
   staged = pipeline != 1 and _stages.options(calls, program.mesh_info,
@@ -190,6 +175,37 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
     raise ValueError(f"pipeline={asked}: cannot plan {what}: "
                      + _stages.why_none(calls, program.mesh_info, pipeline,
                                         repeats))
+
+  def fit(beat: float = math.inf, others_fit: bool = False) -> float | None:
+    # It does not fit: shard more, shard the optimizer state apart from the
+    # parameters (ZeRO-1/2), recompute a layer's activations in the
+    # backward pass -- the model prices each, and the fastest plan that
+    # fits wins. (Among pipeline schedules, ``beat``/``others_fit`` as
+    # Variants.fit takes them: the time it returns, where it fits.)
+    nonlocal best, over, options, picked
+    picked, over, options = variants.fit(budget, beat, others_fit)
+    best = (picked or base).replace(search_s=time.perf_counter() - t0)
+    if over is None:
+      return best.cost.time_s
+    tried = ("the optimizer state sharded apart from the parameters"
+             + (" and the layer stacks and repeated blocks "
+                "rematerialised (" + ", ".join(_remat.AUTO) + ")"
+                if variants.remats else
+                f", with remat={policy!r} as asked" if remat is not None
+                else "; the step has no jax.lax.scan layer stack or "
+                "repeated block without its own jax.checkpoint to "
+                "rematerialise"))
+    over = _budget.NoFit(f"{over} Tried: {tried}.", over.result)
+    return None
+
+  deferred = None  # fitted among the schedules, best first
+  if budget is not None and free_peak > budget:
+    if not staged:
+      fit()
+    elif pipeline is None:
+      over = _budget.NoFit(_planner.SLOWER, base.search)  # unless fitted
+      deferred = (base.cost.time_s, fit)
+    # forced stages: no plan without them is a candidate, nor fitted
   if staged:
     # Pipeline stages: each schedule planned and fitted as the step is;
     # the fastest that fits wins (forced: among the schedules only).
@@ -198,7 +214,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
         budget, variants.may_remat, policy,
         layers=math.gcd(*(c.layers for c in calls)), repeats=repeats,
         beat=best.cost.time_s if pipeline is None and over is None
-        else math.inf)
+        else math.inf, flat=deferred)
     if not tried:  # forced circular stages, and too few microbatches
       raise ValueError(
           f"pipeline={(pipeline, repeats)}: circular stages need at least "

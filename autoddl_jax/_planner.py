@@ -166,93 +166,104 @@ class Variants:
 
 def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
                 budget, may_remat: bool, policy, beat: float = math.inf,
-                layers: int | None = None, repeats: int | None = None
+                layers: int | None = None, repeats: int | None = None,
+                flat: tuple[float, Callable[[float, bool], float | None]]
+                | None = None
                 ) -> list[tuple[Plan, NoFit | None, Variants]]:
   """The plans of the pipeline schedules ``opts`` ((mesh axis, stages),
   :func:`_stages.options`), each fitted to ``budget`` as :func:`plan`
   fits the step as written: (plan, why it does not fit or None, its
-  variants). Every schedule is planned with its first microbatch count;
-  the best two of them with the other counts too. ``beat``: the time of
-  the plan without stages, where it fits. ``repeats`` forces circular
-  stages of that many chunks on every schedule; None: GPipe, and then the
-  best schedule that fits (else the best) with
-  :func:`_stages.circular_repeats` chunks of the ``layers``, where
-  GPipe with twice its microbatches was not planned.
+  variants). ``beat``: the time of the plan without stages, where it
+  fits. ``repeats`` forces circular stages of that many chunks on every
+  schedule. ``flat``: (the time of the plan without stages, searched
+  without the budget and over it; ``fit(beat, others_fit)``, which fits
+  it to the budget and returns its time where it fits): fitted among the
+  schedules, best first, where it can still win.
 
-  A schedule (or one of its remat variants) whose best plan without the
-  budget is already no faster than a plan that fits is not fitted: fitting
-  only makes it slower. While the first counts are planned, "a plan that
-  fits" is the second-best schedule's (so the two that get the other
-  counts are the same two); then the best plan found. On the 175B GPT
-  this skips the schedule over ``model`` (94 s per step without the
-  budget) and some schedules' remat fits."""
+  Best first, as a branch and bound: every schedule is traced and
+  searched without the budget first, which bounds the time of any plan
+  of it that fits (fitting only makes a plan slower). Every schedule gets
+  its first microbatch count; the two with the fastest plans without the
+  budget get the other counts too; and (``repeats`` None) the fastest
+  schedule of all is tried with :func:`_stages.circular_repeats` chunks
+  of the ``layers``, where GPipe with twice its microbatches was not
+  planned. Then the schedules are fitted in the order of that bound, and
+  one (or a remat variant of one) whose bound is no faster than a plan
+  that fits already is not fitted. On the 175B GPT this fits 3 of the 11
+  schedules."""
   mi = _program.mesh_info(mesh, cluster)
-  rank = lambda t: (t[1] is not None, t[0].cost.time_s)  # noqa: E731
-  fitted: list[float] = []  # the schedules' times that fit, so far
+  scouted: list[list] = []  # [plan, over, variants, seconds, name]
 
-  def bar(phase: str) -> float:
-    if not PRUNE_SCHEDULES:
-      return math.inf
-    if phase == "first":
-      return sorted(fitted)[1] if len(fitted) > 1 else math.inf
-    return min(fitted + [beat])
-
-  def one(axis, stages, m, phase, v=1):
+  def scout(axis, stages, m, v=1):
     smesh, name = _stages.stage_mesh(mesh, mi, axis, stages)
+    what = (f"{stages} stages over {name!r}"
+            + (f" of {v} circular chunks" if v > 1 else "")
+            + f", {m} microbatches")
     t0 = time.perf_counter()
     if verbose:
-      print(f"[autoddl_jax] pipeline: {stages} stages over {name!r}"
-            + (f" of {v} circular chunks" if v > 1 else "")
-            + f", {m} microbatches", file=sys.stderr, flush=True)
+      print(f"[autoddl_jax] pipeline: {what}", file=sys.stderr, flush=True)
     split = None if smesh is mesh else mi.axis_names[axis]
     reps, count = _stages.replica_axes(_program.mesh_info(smesh, cluster),
                                        name, [b // m for b in batches])
     program = _program.build(fn, args, smesh, cluster, remat=policy,
                              schedule=Schedule(stages, m, name, split, reps,
                                                count, v))
-    p, over, peak = search_plan(program, None, verbose, t0)
-    p = p.replace(memory_budget=budget)
-    variants = Variants(fn, args, verbose, program, may_remat=may_remat)
-    if budget is not None and peak > budget:
-      if p.cost.time_s >= bar(phase):
-        over = NoFit(SLOWER, p.search)
-        if verbose:
-          print(f"[autoddl_jax] pipeline: not fitted to the budget: "
-                f"{p.cost.time_s * 1e3:.6g} ms without it, another plan "
-                f"that fits takes {bar(phase) * 1e3:.6g} ms",
-                file=sys.stderr, flush=True)
-      else:
-        fitted_p, over, _ = variants.fit(
-            budget, beat=bar(phase),
-            others_fit=bool(fitted) or beat < math.inf)
-        p = fitted_p or p  # None: no variant can fit (over says why)
-    if over is None:
-      fitted.append(p.cost.time_s)
-    return p.replace(search_s=time.perf_counter() - t0), over, variants
+    p, _, peak = search_plan(program, None, verbose, t0)
+    over = None if budget is None or peak <= budget else NoFit(SLOWER,
+                                                               p.search)
+    scouted.append([p.replace(memory_budget=budget), over,
+                    Variants(fn, args, verbose, program, may_remat=may_remat),
+                    time.perf_counter() - t0, what])
+    return scouted[-1]
 
+  bound = lambda e: e[0].cost.time_s  # noqa: E731
   v = repeats or 1
 
   def counts(stages):  # circular stages need M >= S
     return [m for m in _stages.microbatch_counts(stages, batches)
             if v == 1 or m >= stages]
 
-  firsts = {}
-  for axis, stages in opts:
-    if counts(stages):
-      firsts[(axis, stages)] = one(axis, stages, counts(stages)[0], "first",
-                                   v)
-  out = list(firsts.values())
-  for axis, stages in sorted(firsts, key=lambda k: rank(firsts[k]))[:2]:
+  firsts = {(axis, stages): scout(axis, stages, counts(stages)[0], v)
+            for axis, stages in opts if counts(stages)}
+  for axis, stages in sorted(firsts, key=lambda k: bound(firsts[k]))[:2]:
     for m in counts(stages)[1:]:
-      out.append(one(axis, stages, m, "more", v))
-  if repeats is None and layers is not None and out:
-    best = min(out, key=rank)[0].schedule
+      scout(axis, stages, m, v)
+  if repeats is None and layers is not None and scouted:
+    best = min(scouted, key=bound)[0].schedule
     v = _stages.circular_repeats(layers, best.stages, best.microbatches,
                                  batches)
     if v is not None:
-      axis = mi.axis_names.index(best.split_from or best.axis)
-      out.append(one(axis, best.stages, best.microbatches, "more", v))
-  return out
+      scout(mi.axis_names.index(best.split_from or best.axis), best.stages,
+            best.microbatches, v)
+  bar = min([beat] + [bound(e) for e in scouted if e[1] is None])
+  pending = [(bound(e), e) for e in scouted if e[1] is not None]
+  if flat is not None:
+    pending.append((flat[0], None))
+  for lower, e in sorted(pending, key=lambda t: t[0]):
+    what = "no stages" if e is None else e[4]
+    if PRUNE_SCHEDULES and lower >= bar:
+      if verbose:
+        print(f"[autoddl_jax] pipeline: {what}: not fitted to the budget: "
+              f"{lower * 1e3:.6g} ms without it, another plan that fits "
+              f"takes {bar * 1e3:.6g} ms", file=sys.stderr, flush=True)
+      continue
+    if verbose:
+      print(f"[autoddl_jax] pipeline: {what}: fitting the budget",
+            file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    beat_now = bar if PRUNE_SCHEDULES else math.inf
+    if e is None:
+      fitted_s = flat[1](beat_now, bar < math.inf)
+    else:
+      fitted, e[1], _ = e[2].fit(budget, beat=beat_now,
+                                 others_fit=bar < math.inf)
+      e[0] = fitted or e[0]  # None: no variant can fit (over says why)
+      e[3] += time.perf_counter() - t0
+      fitted_s = e[0].cost.time_s if e[1] is None else None
+    if fitted_s is not None:
+      bar = min(bar, fitted_s)
+  return [(p.replace(search_s=seconds), over, variants)
+          for p, over, variants, seconds, _ in scouted]
 
 
 def select_mode(select: str | None, mesh) -> str:

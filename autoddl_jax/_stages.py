@@ -9,7 +9,7 @@ the stage boundaries cross the slow links and the rest of the axis stays
 for data or tensor parallelism. :func:`options` lists the schedules to plan
 (the stage count divides the axis and every stack's layer count), with
 :func:`microbatch_counts` (dividing every batch: ``4S`` first for every
-schedule, the others for the best two only) and
+schedule, the others for the best two without the budget only) and
 :func:`circular_repeats` (circular stages, for the best schedule where
 GPipe with twice its microbatches was not planned), and
 :func:`stage_mesh` makes the mesh a schedule is planned on.

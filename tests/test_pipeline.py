@@ -360,6 +360,33 @@ def test_skipping_schedules_that_cannot_win_changes_no_plan(monkeypatch):
   assert counts[True] < counts[False]  # 18 against 24 when written
 
 
+def test_forced_stages_fit_no_plan_without_them(monkeypatch):
+  # The plan without stages, over the budget, is fitted among the
+  # schedules, best first (_planner.plan_stages); with stages forced it is
+  # no candidate, and is not fitted at all.
+  from autoddl_jax.testing import models as zoo
+  from jax.sharding import AbstractMesh
+  cfg = zoo.GptConfig(d_model=64, n_heads=4, n_layers=4, seq=16, batch=16,
+                      pipeline=True)
+  ex = zoo.gpt(cfg, abstract=True)
+  mesh = AbstractMesh((2, 4), ("data", "model"))
+  free = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=TEST_CLUSTER,
+                 memory_budget=float("inf"), pipeline=1)
+  budget = 0.5 * free.cost.memory_bytes
+  fitted = []
+  fit = _planner.Variants.fit
+  monkeypatch.setattr(_planner.Variants, "fit", lambda self, *a, **k: (
+      fitted.append(self.schedule), fit(self, *a, **k))[1])
+  plan = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=TEST_CLUSTER,
+                 memory_budget=budget, pipeline=2)
+  assert plan.schedule.stages == 2 and plan.cost.memory_bytes <= budget
+  assert fitted and None not in fitted  # only the schedules were fitted
+  fitted.clear()
+  flat = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=TEST_CLUSTER,
+                 memory_budget=budget, pipeline=1)
+  assert fitted == [None] and flat.cost.memory_bytes <= budget
+
+
 def _attention_layer(x, w):  # a weight matmul, then a batched one
   q = x @ w
   return jnp.tanh(jnp.einsum("bqd,bkd->bqk", q, q)).sum()
