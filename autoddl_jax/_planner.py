@@ -164,6 +164,21 @@ class Variants:
                        zero=True, beat=beat)[:2]
 
 
+@dataclasses.dataclass
+class _Scouted:
+  """A schedule :func:`plan_stages` planned: its plan (the best without
+  the budget, then the fitted one), why it does not fit the budget or None,
+  its variants, the seconds spent on it, and its name for the log.
+  ``free_s``: the time of its best plan without the budget, the bound on
+  any plan of it that fits."""
+  plan: Plan
+  over: NoFit | None
+  variants: Variants
+  seconds: float
+  what: str
+  free_s: float
+
+
 def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
                 budget, may_remat: bool, policy, beat: float = math.inf,
                 layers: int | None = None, repeats: int | None = None,
@@ -192,7 +207,7 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
   that fits already is not fitted. On the 175B GPT this fits 3 of the 11
   schedules."""
   mi = _program.mesh_info(mesh, cluster)
-  scouted: list[list] = []  # [plan, over, variants, seconds, name]
+  scouted: list[_Scouted] = []
 
   def scout(axis, stages, m, v=1):
     smesh, name = _stages.stage_mesh(mesh, mi, axis, stages)
@@ -211,12 +226,12 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
     p, _, peak = search_plan(program, None, verbose, t0)
     over = None if budget is None or peak <= budget else NoFit(SLOWER,
                                                                p.search)
-    scouted.append([p.replace(memory_budget=budget), over,
-                    Variants(fn, args, verbose, program, may_remat=may_remat),
-                    time.perf_counter() - t0, what])
+    scouted.append(_Scouted(
+        p.replace(memory_budget=budget), over,
+        Variants(fn, args, verbose, program, may_remat=may_remat),
+        time.perf_counter() - t0, what, p.cost.time_s))
     return scouted[-1]
 
-  bound = lambda e: e[0].cost.time_s  # noqa: E731
   v = repeats or 1
 
   def counts(stages):  # circular stages need M >= S
@@ -225,22 +240,22 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
 
   firsts = {(axis, stages): scout(axis, stages, counts(stages)[0], v)
             for axis, stages in opts if counts(stages)}
-  for axis, stages in sorted(firsts, key=lambda k: bound(firsts[k]))[:2]:
+  for axis, stages in sorted(firsts, key=lambda k: firsts[k].free_s)[:2]:
     for m in counts(stages)[1:]:
       scout(axis, stages, m, v)
   if repeats is None and layers is not None and scouted:
-    best = min(scouted, key=bound)[0].schedule
+    best = min(scouted, key=lambda e: e.free_s).plan.schedule
     v = _stages.circular_repeats(layers, best.stages, best.microbatches,
                                  batches)
     if v is not None:
       scout(mi.axis_names.index(best.split_from or best.axis), best.stages,
             best.microbatches, v)
-  bar = min([beat] + [bound(e) for e in scouted if e[1] is None])
-  pending = [(bound(e), e) for e in scouted if e[1] is not None]
+  bar = min([beat] + [e.free_s for e in scouted if e.over is None])
+  pending = [(e.free_s, e) for e in scouted if e.over is not None]
   if flat is not None:
     pending.append((flat[0], None))
   for lower, e in sorted(pending, key=lambda t: t[0]):
-    what = "no stages" if e is None else e[4]
+    what = "no stages" if e is None else e.what
     if PRUNE_SCHEDULES and lower >= bar:
       if verbose:
         print(f"[autoddl_jax] pipeline: {what}: not fitted to the budget: "
@@ -255,15 +270,15 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
     if e is None:
       fitted_s = flat[1](beat_now, bar < math.inf)
     else:
-      fitted, e[1], _ = e[2].fit(budget, beat=beat_now,
-                                 others_fit=bar < math.inf)
-      e[0] = fitted or e[0]  # None: no variant can fit (over says why)
-      e[3] += time.perf_counter() - t0
-      fitted_s = e[0].cost.time_s if e[1] is None else None
+      fitted, e.over, _ = e.variants.fit(budget, beat=beat_now,
+                                         others_fit=bar < math.inf)
+      e.plan = fitted or e.plan  # None: no variant can fit (over says why)
+      e.seconds += time.perf_counter() - t0
+      fitted_s = e.plan.cost.time_s if e.over is None else None
     if fitted_s is not None:
       bar = min(bar, fitted_s)
-  return [(p.replace(search_s=seconds), over, variants)
-          for p, over, variants, seconds, _ in scouted]
+  return [(e.plan.replace(search_s=e.seconds), e.over, e.variants)
+          for e in scouted]
 
 
 def select_mode(select: str | None, mesh) -> str:

@@ -330,7 +330,6 @@ def test_skipping_schedules_that_cannot_win_changes_no_plan(monkeypatch):
   # no faster than one that fits. The plan is the one fitting every
   # schedule finds, with fewer searches.
   from autoddl_jax.testing import models as zoo
-  from jax.sharding import AbstractMesh
   cfg = zoo.GptConfig(d_model=64, n_heads=4, n_layers=4, seq=16, batch=16,
                       pipeline=True)
   ex = zoo.gpt(cfg, abstract=True)
@@ -365,7 +364,6 @@ def test_forced_stages_fit_no_plan_without_them(monkeypatch):
   # schedules, best first (_planner.plan_stages); with stages forced it is
   # no candidate, and is not fitted at all.
   from autoddl_jax.testing import models as zoo
-  from jax.sharding import AbstractMesh
   cfg = zoo.GptConfig(d_model=64, n_heads=4, n_layers=4, seq=16, batch=16,
                       pipeline=True)
   ex = zoo.gpt(cfg, abstract=True)
