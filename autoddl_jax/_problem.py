@@ -25,7 +25,7 @@ from autoddl_jax._candidates import candidates
 from autoddl_jax._cluster import Cluster, MeshInfo
 from autoddl_jax._collectives import latency_steps
 from autoddl_jax._cost import transition_steps
-from autoddl_jax._states import StateSpace, state_space
+from autoddl_jax._states import StateSpace, ensure_all, state_space
 from autoddl_jax._opgraph import OpGraph
 from autoddl_jax._op_demands import fixed_codes, op_collectives
 from autoddl_jax._memory import MEMORY_ALIAS_OPS, MemoryModel
@@ -164,8 +164,8 @@ class Problem(MemoryModel):
       idx = used.setdefault(id(e.space), (e.space, []))[1]
       idx.append(self.slot_idx[e.prod][e.prod_slot])
       idx.append(self.slot_idx[e.cons][e.cons_slot])
-    for sp, idx in used.values():
-      sp.ensure(np.unique(np.concatenate(idx)))
+    ensure_all([(sp, np.unique(np.concatenate(idx)))
+                for sp, idx in used.values()])
     self._set_groups(groups)
     self._liveness()
     self._flatten()

@@ -10,6 +10,7 @@ from autoddl_jax._cluster import mesh_info
 from autoddl_jax._cost import joint_all_reduce, one_axis, transition
 from autoddl_jax._cost import transition_steps
 from autoddl_jax._cost import valid_states
+from autoddl_jax import _states
 from autoddl_jax._states import StateSpace, state_space
 from autoddl_jax._sbp import B_CODE as B, P_CODE as P
 
@@ -140,6 +141,35 @@ def test_a_space_computed_for_some_states_has_the_whole_ones_costs(mesh):
               getattr(part, m)[np.ix_(done, done)],
               getattr(whole, m)[np.ix_(done, done)])
       assert len(done) < n
+
+
+@pytest.mark.parametrize("max_pairs", [1, 1 << 20])
+def test_spaces_costed_in_one_batch_equal_each_alone(monkeypatch, max_pairs):
+  """A problem costs all its spaces on one mesh together (ensure_all):
+  spaces of other ranks, shapes and sizes, the combined view among them,
+  in one batch or one per space (``MAX_PAIRS``), hold bit for bit the
+  costs each space computed alone holds."""
+  monkeypatch.setattr(_states, "MAX_PAIRS", max_pairs)
+  base = mesh_info(AbstractMesh((2, 2, 4), ("x", "y", "z")),
+                   ad.Cluster(devices_per_node=4))
+  requests, alone = [], []
+  for combined in (False, True):
+    mi = dataclasses.replace(base, combined=combined)
+    for shape in [(8,), (8, 16), (6, 8, 4), (16, 8, 2, 8), (3, 5)]:
+      sp, ref = StateSpace(shape, 2, mi), StateSpace(shape, 2, mi)
+      n = len(sp.states)
+      used = np.random.default_rng(n).choice(n, max(1, n // 3),
+                                             replace=False)
+      requests.append((sp, used))
+      ref.ensure(used)
+      alone.append(ref)
+  _states.ensure_all(requests)
+  for (sp, _), ref in zip(requests, alone):
+    np.testing.assert_array_equal(sp._done, ref._done)
+    done = np.flatnonzero(ref._done)
+    for m in ("time", "bytes"):
+      np.testing.assert_array_equal(getattr(sp, m)[np.ix_(done, done)],
+                                    getattr(ref, m)[np.ix_(done, done)])
 
 
 @pytest.mark.parametrize("shape,mesh", [((8, 16), (2, 4)), ((6, 8, 4), (2, 2, 2))])
