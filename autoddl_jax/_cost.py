@@ -47,6 +47,7 @@ Memory is per device: each tensor's bytes over the axes that split it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -82,6 +83,12 @@ def one_axis(src: int, dst: int, n: float, p: int, alpha: float,
 def valid_states(shape: Sequence[int], sizes: Sequence[int],
                  allow_p: bool = True) -> list[tuple[int, ...]]:
   """All nd-SBPs of a tensor whose splits divide its dims."""
+  return list(_valid_states(tuple(shape), tuple(sizes), allow_p))
+
+
+@functools.lru_cache(maxsize=4096)  # a shape's spaces: plain and combined
+def _valid_states(shape: tuple[int, ...], sizes: tuple[int, ...],
+                  allow_p: bool) -> tuple[tuple[int, ...], ...]:
   rank = len(shape)
   per_axis = []
   for s in sizes:
@@ -93,7 +100,7 @@ def valid_states(shape: Sequence[int], sizes: Sequence[int],
   for codes in itertools.product(*per_axis):
     if splits_divide(codes, shape, sizes):
       out.append(codes)
-  return out
+  return tuple(out)
 
 
 def splits_divide(codes: Sequence[int], shape: Sequence[int],

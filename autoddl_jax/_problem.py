@@ -208,20 +208,38 @@ class Problem(MemoryModel):
         n += len(arr)
       self.slot_off.append(offs)
     self.cand_state = np.concatenate(flat) if flat else np.zeros(0, np.int32)
-    spaces: dict[int, int] = {}
+    # Each space's block holds the transitions among the states it has
+    # computed (a few of its states, mostly: see StateSpace.ensure);
+    # ``cand_local`` is ``cand_state`` as an index into that block, for the
+    # slots the edges read (a slot holds one tensor, so one space).
+    spaces: dict[int, tuple[int, np.ndarray]] = {}
+    self.cand_local = np.full(len(self.cand_state), -1, dtype=np.int64)
     t_flat, b_flat, t_off, t_n = [], [], [], []
     pos = 0
     e_space = []
+    slots_done: set[int] = set()
     for e in self.edges:
-      sid = spaces.get(id(e.space))
-      if sid is None:
-        sid = spaces[id(e.space)] = len(t_off)
-        t_flat.append(e.space.time.ravel())
-        b_flat.append(e.space.bytes.ravel())
+      sp = e.space
+      if id(sp) not in spaces:
+        done = np.flatnonzero(sp._done) if sp._time is not None else \
+            np.arange(len(sp.states))
+        remap = np.full(len(sp.states), -1, dtype=np.int64)
+        remap[done] = np.arange(len(done))
+        spaces[id(sp)] = (len(t_off), remap)
+        block = np.ix_(done, done)
+        t_flat.append(sp.time[block].ravel())
+        b_flat.append(sp.bytes[block].ravel())
         t_off.append(pos)
-        t_n.append(len(e.space.states))
-        pos += e.space.time.size
+        t_n.append(len(done))
+        pos += len(done) ** 2
+      sid, remap = spaces[id(sp)]
       e_space.append(sid)
+      for o, s in ((e.prod, e.prod_slot), (e.cons, e.cons_slot)):
+        off = self.slot_off[o][s]
+        if off not in slots_done:
+          slots_done.add(off)
+          idx = self.slot_idx[o][s]
+          self.cand_local[off:off + len(idx)] = remap[idx]
     self._t_flat = np.concatenate(t_flat) if t_flat else np.zeros(0)
     self._b_flat = np.concatenate(b_flat) if b_flat else np.zeros(0)
     es = np.array(e_space, dtype=np.int64)
@@ -247,8 +265,8 @@ class Problem(MemoryModel):
   def edge_costs(self, choice, what: str = "time") -> np.ndarray:
     """Per-edge cost of a whole plan (vectorized)."""
     choice = np.asarray(choice, dtype=np.int64)
-    sp = self.cand_state[self.e_poff + choice[self.e_prod]]
-    sc = self.cand_state[self.e_coff + choice[self.e_cons]]
+    sp = self.cand_local[self.e_poff + choice[self.e_prod]]
+    sc = self.cand_local[self.e_coff + choice[self.e_cons]]
     flat = self._t_flat if what == "time" else self._b_flat
     return self.e_w * flat[self.e_toff + sp * self.e_tn + sc]
 

@@ -119,20 +119,30 @@ def build(fn: Callable, args: tuple, mesh, cluster: Cluster | None,
   graph = build_graph(tr.closed, tr.in_names, tr.out_names, tr.splittable)
   out_to_in, tie_groups = state_ties(tr)
   donated = frozenset(graph.input_ops[i] for i in tr.donated_leaves)
+  # The repeated blocks are the graph's: both problems tie the same ones.
+  repeats = repeat_groups(graph, _input_tokens(tr)) if tie_repeated else []
   prob = _state_problem(tr, graph, mi, cluster, donated, out_to_in,
-                        tie_groups, tie_repeated, zero=False)
+                        tie_groups, tie_repeated, repeats, zero=False)
   # Weight-update sharding (ZeRO-1/2): the same program with each
   # optimizer moment's layout free of its parameter's (searched where a
   # budget binds: :func:`autoddl_jax.plan`).
   zero = _state_problem(tr, graph, mi, cluster, donated, out_to_in,
-                        tie_groups, tie_repeated, zero=True, like=prob)
+                        tie_groups, tie_repeated, repeats, zero=True,
+                        like=prob)
   return Program(fn, mesh, mi, cluster, tr, graph, prob,
                  frozenset(out_to_in.values()), remat, zero, schedule)
 
 
+def _input_tokens(tr: Traced) -> list:
+  """What ties an input across repeated blocks: its path without layer
+  numbers, shape and dtype."""
+  return [(layerless(tr.in_keys[i]), tuple(a.shape), str(a.dtype))
+          for i, a in enumerate(tr.in_avals)]
+
+
 def _state_problem(tr, graph, mi, cluster, donated, out_to_in, tie_groups,
-                   tie_repeated: bool, zero: bool, like: Problem | None = None
-                   ) -> Problem:
+                   tie_repeated: bool, repeats: list, zero: bool,
+                   like: Problem | None = None) -> Problem:
   """The problem with each updated argument tied to its result, and each
   parameter to its moments (``zero``: the moments of a parameter tied to
   each other only). ``like``: a problem of the same program to share the
@@ -157,14 +167,12 @@ def _state_problem(tr, graph, mi, cluster, donated, out_to_in, tie_groups,
   else:
     prob = getattr(like, "untied", like).regroup(groups)
   if tie_repeated:
-    tokens = [(layerless(tr.in_keys[i]), tuple(a.shape), str(a.dtype))
-              for i, a in enumerate(tr.in_avals)]
-    rep = repeat_groups(graph, tokens)
-    merged = merge_repeated_params(groups, graph, tokens)
-    if rep or len(merged) != len(groups):
+    merged = merge_repeated_params(groups, graph, _input_tokens(tr))
+    if repeats or len(merged) != len(groups):
       # Search with repeated blocks tied (decided once); ``prob.untied``
-      # refines the best plans per block at the end.
-      tied = prob.regroup(merged + rep)
+      # refines the best plans per block at the end. ``repeats``: the
+      # repeated blocks' ops (_coords.repeat_groups).
+      tied = prob.regroup(merged + repeats)
       tied.untied = prob
       prob = tied
   return prob

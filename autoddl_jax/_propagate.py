@@ -80,10 +80,11 @@ def propagate(prob: Problem, pins: Mapping[int, int]) -> list[int]:
   states = [e.space.states for e in prob.edges]
   # Ops of one structure share their candidate list (Problem), and edges of
   # one tensor type their state space: what propagation asks of each is
-  # computed once per list and per space, not per op and per edge (keyed by
-  # id: the problem holds every list and space for the whole call).
-  traits: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-  rep: dict[int, np.ndarray] = {}
+  # computed once per list and per space, not per op and per edge, and
+  # kept on the problem for its other calls (one per seed; keyed by id:
+  # the problem, and the copies ``regroup`` makes, hold every list and
+  # space as long as the memo).
+  traits, rep = prob.__dict__.setdefault("_propagate_memo", ({}, {}))
   for op in graph.ops:
     if choice[op.id] >= 0:
       continue

@@ -26,7 +26,15 @@ class Core:
   def __init__(self, mrf: Mrf, core: Sequence[int]):
     self.mrf = mrf
     self.core = list(core)
-    self.trees = [self._spanning_tree("heavy"), self._spanning_tree("order")]
+    # A search improves several labellings of one reduced problem (each
+    # start's, then the finalists'): its trees are built once.
+    memo = getattr(mrf, "_trees", None)
+    if memo is not None and memo[0] == self.core:
+      self.trees = memo[1]
+    else:
+      self.trees = [self._spanning_tree("heavy"),
+                    self._spanning_tree("order")]
+      mrf._trees = (self.core, self.trees)  # noqa: SLF001
 
   def objective(self, choice) -> float:
     return self.mrf.objective(choice, self.core)
@@ -207,42 +215,25 @@ def polish_by_score(prob: Problem, choice, mem_weight: float = 0.0,
   consumers that want one layout sharing one (the pairwise moves charge
   each); every candidate of a group is scored in one vectorised pass."""
   ch = np.array(choice, dtype=np.int64)
-  by_tensor: dict[int, list[int]] = {}
-  for i, t in enumerate(prob.e_tensor.tolist()):
-    by_tensor.setdefault(t, []).append(i)
-  w_ids = {w: i for i, w in enumerate(np.unique(prob.e_w).tolist())}
-  e_wid = np.array([w_ids[w] for w in prob.e_w.tolist()], dtype=np.int64)
-  n_w = max(len(w_ids), 1)
+  n_w, per_group = _polish_groups(prob)
   for _ in range(sweeps):
     moved = False
-    for g in prob.groups:
-      n_k = len(prob.cands[g[0]])
-      if n_k <= 1:
-        continue
-      ts = sorted({int(prob.e_tensor[i]) for o in g for i in prob.incident[o]})
-      if not ts:
-        continue
-      e = np.concatenate([by_tensor[t] for t in ts])
-      in_g = np.zeros(len(ch), dtype=bool)
-      in_g[g] = True
+    for (g, n_k, n_t, prod, cons, own_p, own_c, poff, coff, w, toff, tn,
+         t_loc, wid, node, out) in per_group:
       kk = np.arange(n_k)[:, None]
-      prod, cons = prob.e_prod[e], prob.e_cons[e]
-      sp = prob.cand_state[prob.e_poff[e] + np.where(in_g[prod], kk,
-                                                       ch[prod])]
-      sc = prob.cand_state[prob.e_coff[e] + np.where(in_g[cons], kk,
-                                                       ch[cons])]
-      cost = prob.e_w[e] * prob._t_flat[  # noqa: SLF001
-          prob.e_toff[e] + sp * prob.e_tn[e] + sc]
+      at_p = poff + np.where(own_p, kk, ch[prod])
+      at_c = coff + np.where(own_c, kk, ch[cons])
+      sc = prob.cand_state[at_c]
+      cost = w * prob._t_flat[  # noqa: SLF001
+          toff + prob.cand_local[at_p] * tn + prob.cand_local[at_c]]
       # One reshard per (tensor, target layout, trip count), per candidate.
-      t_loc = np.searchsorted(ts, prob.e_tensor[e])
       n_s = int(sc.max()) + 1
-      key = ((kk * len(ts) + t_loc) * n_s + sc) * n_w + e_wid[e]
+      key = ((kk * n_t + t_loc) * n_s + sc) * n_w + wid
       _, first = np.unique(key.ravel(), return_index=True)
-      rows = first // len(e)
+      rows = first // len(prod)
       comm = np.bincount(rows, cost.ravel()[first], minlength=n_k)
-      node = sum(prob.node[o] for o in g)
       if mem_weight:
-        node = node + mem_weight * sum(prob.out_bytes[o] for o in g)
+        node = node + mem_weight * out
       total = comm + node
       cur = int(ch[g[0]])
       best = int(np.argmin(total))
@@ -252,3 +243,40 @@ def polish_by_score(prob: Problem, choice, mem_weight: float = 0.0,
     if not moved:
       break
   return ch
+
+
+def _polish_groups(prob: Problem):
+  """What :func:`polish_by_score` reads per op group, whatever the plan:
+  (the number of trip counts, [per group of more than one candidate that
+  touches a tensor: the group, its candidates, its tensors, and per edge
+  of those tensors its ends, whether each is the group's, their slots'
+  offsets, weight, transition block, tensor, trip count; the group's node
+  costs and output bytes]). Kept on the problem for its groups."""
+  memo = getattr(prob, "_polish_memo", None)
+  if memo is not None and memo[0] is prob.groups:
+    return memo[1]
+  by_tensor: dict[int, list[int]] = {}
+  for i, t in enumerate(prob.e_tensor.tolist()):
+    by_tensor.setdefault(t, []).append(i)
+  w_ids = {w: i for i, w in enumerate(np.unique(prob.e_w).tolist())}
+  e_wid = np.array([w_ids[w] for w in prob.e_w.tolist()], dtype=np.int64)
+  per_group = []
+  for g in prob.groups:
+    n_k = len(prob.cands[g[0]])
+    if n_k <= 1:
+      continue
+    ts = sorted({int(prob.e_tensor[i]) for o in g for i in prob.incident[o]})
+    if not ts:
+      continue
+    e = np.concatenate([by_tensor[t] for t in ts])
+    in_g = np.zeros(len(prob.cands), dtype=bool)
+    in_g[g] = True
+    prod, cons = prob.e_prod[e], prob.e_cons[e]
+    per_group.append((
+        g, n_k, len(ts), prod, cons, in_g[prod], in_g[cons], prob.e_poff[e],
+        prob.e_coff[e], prob.e_w[e], prob.e_toff[e], prob.e_tn[e],
+        np.searchsorted(ts, prob.e_tensor[e]), e_wid[e],
+        sum(prob.node[o] for o in g), sum(prob.out_bytes[o] for o in g)))
+  out = (max(len(w_ids), 1), per_group)
+  prob._polish_memo = (prob.groups, out)  # noqa: SLF001
+  return out

@@ -32,7 +32,6 @@ class Mrf:
 
   def __init__(self, prob: Problem, mem_weight: float = 0.0):
     self.prob = prob
-    ng = len(prob.groups)
     self.K = [len(prob.cands[m[0]]) for m in prob.groups]
     self.U: list[np.ndarray] = []
     for m in prob.groups:
@@ -40,27 +39,13 @@ class Mrf:
       for o in m:
         u = u + prob.node[o] + mem_weight * prob.out_bytes[o]
       self.U.append(u)
-    self.M: dict[tuple[int, int], np.ndarray] = {}
-    # Ops of one structure share their slot index arrays (see Problem), so
-    # repeated layers look up the same transition sub-matrix: cut it once.
-    subs: dict[tuple[int, int, int], np.ndarray | None] = {}
-    for e in prob.edges:
-      a, b = int(prob.group_of[e.prod]), int(prob.group_of[e.cons])
-      pi = prob.slot_idx[e.prod][e.prod_slot]
-      ci = prob.slot_idx[e.cons][e.cons_slot]
-      if a == b:
-        self.U[a] = self.U[a] + e.weight * e.space.time[pi, ci]
-        continue
-      key = (id(e.space), id(pi), id(ci))
-      if key not in subs:
-        sub = e.space.time[pi[:, None], ci[None, :]]
-        subs[key] = sub if sub.any() else None
-      if subs[key] is not None:
-        self.add_pair(a, b, e.weight * subs[key])
-    self.adj: list[set[int]] = [set() for _ in range(ng)]
-    for a, b in self.M:
-      self.adj[a].add(b)
-      self.adj[b].add(a)
+    inner, pairs, adj = _pairs(prob)
+    for a, costs in inner:  # in edge order, as they were summed before
+      for c in costs:
+        self.U[a] = self.U[a] + c
+    # Copies that eliminations may change (the arrays are never mutated).
+    self.M: dict[tuple[int, int], np.ndarray] = dict(pairs)
+    self.adj: list[set[int]] = [set(x) for x in adj]
 
   def copy(self) -> Mrf:
     """A copy that eliminations may change (arrays are never mutated in
@@ -95,6 +80,46 @@ class Mrf:
       if a in alive and b in alive:
         tot += float(m[choice[a], choice[b]])
     return tot
+
+
+def _pairs(prob: Problem):
+  """What every :class:`Mrf` of ``prob`` shares whatever its memory
+  weight (budget fitting searches one problem several times): the edge
+  costs within each coordinate ([(group, [cost vector, ...])], in edge
+  order), the pair matrices between coordinates, and the adjacency.
+  Kept on the problem for its groups (``regroup`` makes new ones)."""
+  memo = getattr(prob, "_mrf_pairs", None)
+  if memo is not None and memo[0] is prob.groups:
+    return memo[1]
+  inner: dict[int, list[np.ndarray]] = {}
+  pairs: dict[tuple[int, int], np.ndarray] = {}
+  # Ops of one structure share their slot index arrays (see Problem), so
+  # repeated layers look up the same transition sub-matrix: cut it once.
+  subs: dict[tuple[int, int, int], np.ndarray | None] = {}
+  for e in prob.edges:
+    a, b = int(prob.group_of[e.prod]), int(prob.group_of[e.cons])
+    pi = prob.slot_idx[e.prod][e.prod_slot]
+    ci = prob.slot_idx[e.cons][e.cons_slot]
+    if a == b:
+      inner.setdefault(a, []).append(e.weight * e.space.time[pi, ci])
+      continue
+    key = (id(e.space), id(pi), id(ci))
+    if key not in subs:
+      sub = e.space.time[pi[:, None], ci[None, :]]
+      subs[key] = sub if sub.any() else None
+    if subs[key] is not None:
+      m = e.weight * subs[key]
+      if a > b:
+        a, b, m = b, a, m.T
+      old = pairs.get((a, b))
+      pairs[(a, b)] = m if old is None else old + m
+  adj: list[set[int]] = [set() for _ in prob.groups]
+  for a, b in pairs:
+    adj[a].add(b)
+    adj[b].add(a)
+  out = (sorted(inner.items()), pairs, adj)
+  prob._mrf_pairs = (prob.groups, out)  # noqa: SLF001
+  return out
 
 
 @dataclasses.dataclass
@@ -210,10 +235,8 @@ class Reduced:
 
 
 def expand(prob: Problem, gchoice: np.ndarray) -> np.ndarray:
-  choice = np.zeros(len(prob.cands), dtype=np.int64)
-  for g, m in enumerate(prob.groups):
-    choice[m] = gchoice[g]
-  return choice
+  """Each op's candidate from its group's (every op is in one group)."""
+  return np.asarray(gchoice, dtype=np.int64)[prob.group_of]
 
 
 def groups_of(prob: Problem, choice: np.ndarray) -> np.ndarray:
