@@ -170,6 +170,16 @@ class Problem(MemoryModel):
     self._liveness()
     self._flatten()
 
+  def for_groups(self, name: str, make):
+    """``make()``, kept on this problem under ``name`` for as long as its
+    groups stand (what the search derives from a problem's coordinates:
+    :meth:`regroup` gives a copy other groups, so the copy makes its own)."""
+    got = self.__dict__.get(name)
+    if got is None or got[0] is not self.groups:
+      got = (self.groups, make())
+      setattr(self, name, got)
+    return got[1]
+
   def regroup(self, groups: Sequence[Sequence[int]]) -> Problem:
     """The same problem with other coordinates (shares every array)."""
     new = copy.copy(self)
@@ -221,8 +231,7 @@ class Problem(MemoryModel):
     for e in self.edges:
       sp = e.space
       if id(sp) not in spaces:
-        done = np.flatnonzero(sp._done) if sp._time is not None else \
-            np.arange(len(sp.states))
+        done = sp.computed
         remap = np.full(len(sp.states), -1, dtype=np.int64)
         remap[done] = np.arange(len(done))
         spaces[id(sp)] = (len(t_off), remap)

@@ -129,6 +129,14 @@ class StateSpace:
     self._done = want
 
   @property
+  def computed(self) -> np.ndarray:
+    """The indices of the states whose transitions among each other are
+    computed (all of them, once :attr:`time` computed a space whole)."""
+    if self._time is None:
+      self.ensure()
+    return np.flatnonzero(self._done)
+
+  @property
   def time(self) -> np.ndarray:
     """Transition seconds [from state, to state] (NaN where not computed;
     a space no one ensured is computed whole)."""

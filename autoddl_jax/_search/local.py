@@ -251,10 +251,12 @@ def _polish_groups(prob: Problem):
   touches a tensor: the group, its candidates, its tensors, and per edge
   of those tensors its ends, whether each is the group's, their slots'
   offsets, weight, transition block, tensor, trip count; the group's node
-  costs and output bytes]). Kept on the problem for its groups."""
-  memo = getattr(prob, "_polish_memo", None)
-  if memo is not None and memo[0] is prob.groups:
-    return memo[1]
+  costs and output bytes]). Kept on the problem for its groups
+  (:meth:`Problem.for_groups`)."""
+  return prob.for_groups("_polish_memo", lambda: _make_polish_groups(prob))
+
+
+def _make_polish_groups(prob: Problem):
   by_tensor: dict[int, list[int]] = {}
   for i, t in enumerate(prob.e_tensor.tolist()):
     by_tensor.setdefault(t, []).append(i)
@@ -277,6 +279,4 @@ def _polish_groups(prob: Problem):
         prob.e_coff[e], prob.e_w[e], prob.e_toff[e], prob.e_tn[e],
         np.searchsorted(ts, prob.e_tensor[e]), e_wid[e],
         sum(prob.node[o] for o in g), sum(prob.out_bytes[o] for o in g)))
-  out = (max(len(w_ids), 1), per_group)
-  prob._polish_memo = (prob.groups, out)  # noqa: SLF001
-  return out
+  return max(len(w_ids), 1), per_group

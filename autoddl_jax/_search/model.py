@@ -87,10 +87,11 @@ def _pairs(prob: Problem):
   weight (budget fitting searches one problem several times): the edge
   costs within each coordinate ([(group, [cost vector, ...])], in edge
   order), the pair matrices between coordinates, and the adjacency.
-  Kept on the problem for its groups (``regroup`` makes new ones)."""
-  memo = getattr(prob, "_mrf_pairs", None)
-  if memo is not None and memo[0] is prob.groups:
-    return memo[1]
+  Kept on the problem for its groups (:meth:`Problem.for_groups`)."""
+  return prob.for_groups("_mrf_pairs", lambda: _make_pairs(prob))
+
+
+def _make_pairs(prob: Problem):
   inner: dict[int, list[np.ndarray]] = {}
   pairs: dict[tuple[int, int], np.ndarray] = {}
   # Ops of one structure share their slot index arrays (see Problem), so
@@ -117,9 +118,7 @@ def _pairs(prob: Problem):
   for a, b in pairs:
     adj[a].add(b)
     adj[b].add(a)
-  out = (sorted(inner.items()), pairs, adj)
-  prob._mrf_pairs = (prob.groups, out)  # noqa: SLF001
-  return out
+  return sorted(inner.items()), pairs, adj
 
 
 @dataclasses.dataclass
