@@ -17,7 +17,8 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh
 
-from autoddl_jax import _boundary, _budget, _io, _planner, _program, _remat
+from autoddl_jax import _boundary, _budget, _gc, _io, _planner, _program
+from autoddl_jax import _remat
 from autoddl_jax import _search, _select, _stages
 from autoddl_jax import pipeline as _pipeline
 from autoddl_jax._cluster import H100_NODE, Cluster, default_budget
@@ -44,6 +45,7 @@ def _pipeline_arg(pipeline) -> tuple[int | None, int | None]:
                    f"of V circular chunks each, got {pipeline!r}")
 
 
+@_gc.fewer_collections
 def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
          cluster: Cluster | None = None,
          memory_budget: float | str | None = None,
@@ -268,6 +270,7 @@ def plan(fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
   return chosen
 
 
+@_gc.fewer_collections
 def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
               out_shardings=None, cluster: Cluster | None = None) -> Plan:
   """A Plan whose arguments (and results) follow the given shardings.
@@ -317,6 +320,7 @@ def hand_plan(fn: Callable, *args: Any, mesh, in_shardings,
               search_s=time.perf_counter() - t0)
 
 
+@_gc.fewer_collections
 def cost_of(fn: Callable, *args: Any, mesh, in_shardings, out_shardings=None,
             cluster: Cluster | None = None) -> PlanCost:
   """Scores a hand-written plan on the same cost model as :func:`plan`.
@@ -331,6 +335,7 @@ def cost_of(fn: Callable, *args: Any, mesh, in_shardings, out_shardings=None,
                    out_shardings=out_shardings, cluster=cluster).cost
 
 
+@_gc.fewer_collections
 def load_plan(path, fn: Callable, *args: Any, mesh: Mesh | AbstractMesh,
               cluster: Cluster | None = None) -> Plan:
   """Reads a plan saved with :meth:`Plan.save` for ``fn(*args)`` on ``mesh``.

@@ -76,3 +76,27 @@ def candidates(op, slots, literal, mi: MeshInfo, fixed=None, pinned=()):
     for s in range(len(op.ins), len(slots)):
       ob = ob + spaces[s].local_bytes[slot_idx[s]]
   return cands, slot_idx, spl, ob
+
+
+# :func:`candidates` by op structure and mesh, kept across problems: the
+# planner builds one problem per pipeline schedule and remat variant, of
+# the same few structures (a transformer repeats a few many times).
+_MEMO: dict = {}
+MEMO_SIZE = 1 << 16
+
+
+def structure_candidates(op, slots, literal, mi: MeshInfo, fixed=None,
+                         pinned=()):
+  """:func:`candidates`, computed once per structure (signatures, slot
+  shapes and itemsizes, which inputs are literals, whether the op aliases
+  its input, demanded layout, pins) and mesh. Callers share the result,
+  slot index arrays included, and must not change it."""
+  key = (tuple(op.sigs), literal,
+         tuple((tuple(a.shape), a.dtype.itemsize) for a in slots),
+         len(op.ins), op.prim in MEMORY_ALIAS_OPS, fixed, pinned, mi)
+  got = _MEMO.get(key)
+  if got is None:
+    if len(_MEMO) >= MEMO_SIZE:
+      _MEMO.clear()
+    got = _MEMO[key] = candidates(op, slots, literal, mi, fixed, pinned)
+  return got

@@ -21,14 +21,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autoddl_jax._candidates import candidates
+from autoddl_jax._candidates import structure_candidates
 from autoddl_jax._cluster import Cluster, MeshInfo
 from autoddl_jax._collectives import latency_steps
 from autoddl_jax._cost import transition_steps
 from autoddl_jax._states import StateSpace, ensure_all, state_space
 from autoddl_jax._opgraph import OpGraph
 from autoddl_jax._op_demands import fixed_codes, op_collectives
-from autoddl_jax._memory import MEMORY_ALIAS_OPS, MemoryModel
+from autoddl_jax._memory import MemoryModel
 from autoddl_jax._pinned import pinned_dims, slot_pins
 from autoddl_jax._sbp import P_CODE
 
@@ -110,10 +110,6 @@ class Problem(MemoryModel):
     self.op_kind: list[str | None] = []  # the collective of op_bytes
     self.node: list[np.ndarray] = []
     self.out_bytes: list[np.ndarray] = []
-    # Ops of the same structure (signatures, slot shapes and dtypes, which
-    # inputs are literals) have the same candidates; a transformer repeats a
-    # few structures many times, so each is enumerated once.
-    structures: dict = {}
     # A pipeline's stage (and replica) dims, held on their axes.
     self.pins = pinned_dims(graph, mi)
     for op in graph.ops:
@@ -123,13 +119,10 @@ class Problem(MemoryModel):
       literal = tuple([t is None for t in op.ins] + [False] * len(op.outs))
       fixed = fixed_codes(op, slots, mi)
       pinned = slot_pins(op, self.pins)
-      key = (tuple(op.sigs), literal,
-             tuple((tuple(a.shape), a.dtype.itemsize) for a in slots),
-             len(op.ins), op.prim in MEMORY_ALIAS_OPS, fixed, pinned)
-      if key not in structures:
-        structures[key] = candidates(op, slots, literal, mi, fixed,
-                                     pinned)
-      cands, slot_idx, spl, ob = structures[key]
+      # Ops of one structure share their candidates (and slot index
+      # arrays), in this problem and across the planner's others.
+      cands, slot_idx, spl, ob = structure_candidates(op, slots, literal, mi,
+                                                      fixed, pinned)
       self.cands.append(cands)
       self.slot_idx.append(slot_idx)
       self.compute.append(op.flops * op.weight / rate / spl)

@@ -196,7 +196,38 @@ def signatures(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],
       isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))
       for p in params.values()):
     return None
-  return rule.signatures(ins, outs, params)
+  key = _memo_key(rule, ins, outs, params)
+  if key is None:
+    return rule.signatures(ins, outs, params)
+  got = _SIGNATURES.get(key)
+  if got is None:
+    if len(_SIGNATURES) >= MEMO_SIZE:
+      _SIGNATURES.clear()
+    got = _SIGNATURES[key] = tuple(rule.signatures(ins, outs, params))
+  return list(got)
+
+
+# Signatures by primitive, avals and parameters: the planner traces one
+# step many times (a program per pipeline schedule and remat variant), the
+# same equations each time.
+_SIGNATURES: dict = {}
+MEMO_SIZE = 1 << 16
+
+
+def _memo_key(rule, ins, outs, params):
+  """A hashable key of one equation's signature inputs (the rule itself
+  among them, so a rule replaced is not answered from the memo), or None
+  where a parameter is a sub-jaxpr or a function (kept out of the memo:
+  they would be held alive, and are compared by identity) or unhashable."""
+  if any(callable(v) or isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
+         for v in params.values()):
+    return None
+  key = (rule, tuple(ins), tuple(outs), tuple(sorted(params.items())))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
 
 
 def eqn_flops(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],

@@ -270,3 +270,36 @@ def test_explain_says_why_a_plan_is_replicated():
   text = plan.explain()
   assert "every argument is replicated" in text
   assert "made for: 8 devices per node, 1e-06 GB/s inside a node" in text
+
+
+def test_planning_collects_garbage_less_often_and_restores_the_thresholds():
+  import gc
+  from autoddl_jax import _gc
+  seen = []
+
+  def step(w, x):
+    seen.append(gc.get_threshold())  # traced while planning
+    return _mlp_step(w, x)
+
+  before = gc.get_threshold()
+  try:
+    gc.set_threshold(700, 10, 10)
+    ad.plan(step, W, X, mesh=AbstractMesh((2,), ("d",)),
+            cluster=TEST_CLUSTER)
+    assert seen and all(t == _gc.THRESHOLD for t in seen)
+    assert gc.get_threshold() == (700, 10, 10)
+    # Restored after an error too; nested planning calls restore once.
+    with pytest.raises(ValueError):
+      ad.plan(step, W, X, mesh=AbstractMesh((2,), ("d",)), alternatives=-1)
+    assert gc.get_threshold() == (700, 10, 10)
+    inner = _gc.fewer_collections(gc.get_threshold)
+    outer = _gc.fewer_collections(lambda: (inner(), gc.get_threshold()))
+    assert outer() == (_gc.THRESHOLD, _gc.THRESHOLD)
+    assert gc.get_threshold() == (700, 10, 10)
+    # Never lowered; automatic collection turned off stays off.
+    gc.set_threshold(100_000, 50, 50)
+    assert inner() == (100_000, 50, 50)
+    gc.set_threshold(0)
+    assert inner()[0] == 0 and gc.get_threshold()[0] == 0
+  finally:
+    gc.set_threshold(*before)
