@@ -49,3 +49,22 @@ def test_replicated_plan_costs_no_communication():
            for o in prog.graph.ops]
   ev = prob.evaluate(all_b)
   assert ev.comm_s == 0.0 and ev.comm_bytes == 0.0 and ev.compute_s > 0
+
+
+def test_memoised_candidates_and_signatures_equal_fresh_ones():
+  # Both are kept across programs (the planner builds one per schedule and
+  # remat variant); a program built with them cleared must be the same.
+  from autoddl_jax import _candidates, _rules
+  warm = _program_of()
+  _candidates._MEMO.clear()
+  _rules._SIGNATURES.clear()
+  cold = _program_of()
+  assert [op.sigs for op in warm.graph.ops] == [
+      op.sigs for op in cold.graph.ops]
+  assert warm.problem.cands == cold.problem.cands
+  for a, b in zip(warm.problem.slot_idx, cold.problem.slot_idx):
+    assert len(a) == len(b) and all(np.array_equal(x, y)
+                                    for x, y in zip(a, b))
+  np.testing.assert_array_equal(np.concatenate(warm.problem.out_bytes),
+                                np.concatenate(cold.problem.out_bytes))
+  assert _rules._SIGNATURES and _candidates._MEMO  # refilled
