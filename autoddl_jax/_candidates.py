@@ -10,29 +10,38 @@ its axis.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
 
 from autoddl_jax._cluster import MeshInfo
-from autoddl_jax._memory import MEMORY_ALIAS_OPS
 from autoddl_jax._sbp import B_CODE as B
 from autoddl_jax._states import state_space
 
 
-def candidates(op, slots, literal, mi: MeshInfo, fixed=None, pinned=()):
-  """(candidates, slot state indices, split factor, output bytes) of an op:
-  the product of its 1-D signatures over the mesh axes, keeping those whose
-  every slot's nd-SBP is a valid state (splits divide) and whose literal
-  inputs stay broadcast; with ``fixed`` (nd codes), only those whose
-  results have that layout; with ``pinned`` (per slot, ((axis, dim),
-  ...): :mod:`autoddl_jax._pinned`), on each pinned axis only the
-  signatures that keep every pinned slot on its dim, where one does."""
-  spaces = [state_space(a.shape, a.dtype.itemsize, mi) for a in slots]
-  all_b = next((i for i, (si, so) in enumerate(op.sigs)
+# Kept across problems: the planner builds one problem per pipeline
+# schedule and remat variant, of the same few op structures (a transformer
+# repeats a few many times). Callers share the result, slot index arrays
+# included, and must not change it.
+@functools.lru_cache(maxsize=1 << 16)
+def candidates(sigs, slots, literal, n_ins: int, aliases: bool,
+               mi: MeshInfo, fixed=None, pinned=()):
+  """(candidates, slot state indices, split factor, output bytes) of an op
+  of 1-D signatures ``sigs`` (a tuple), ``n_ins`` inputs and slots
+  ``slots`` ((shape, itemsize) per input, then per output): the product of
+  its signatures over the mesh axes, keeping those whose every slot's
+  nd-SBP is a valid state (splits divide) and whose literal inputs stay
+  broadcast; with ``fixed`` (nd codes), only those whose results have that
+  layout; with ``pinned`` (per slot, ((axis, dim), ...):
+  :mod:`autoddl_jax._pinned`), on each pinned axis only the signatures
+  that keep every pinned slot on its dim, where one does. ``aliases``: the
+  op's result is its input's buffer (no output bytes of its own)."""
+  spaces = [state_space(shape, itemsize, mi) for shape, itemsize in slots]
+  all_b = next((i for i, (si, so) in enumerate(sigs)
                 if all(c == B for c in (*si, *so))), 0)
-  full = [si + so for si, so in op.sigs]
-  free = [range(len(op.sigs)) if s > 1 else [all_b]
+  full = [si + so for si, so in sigs]
+  free = [range(len(sigs)) if s > 1 else [all_b]
           for s in mi.axis_sizes]
   held = [[] for _ in mi.axis_sizes]
   for s, ps in enumerate(pinned):
@@ -61,7 +70,7 @@ def candidates(op, slots, literal, mi: MeshInfo, fixed=None, pinned=()):
   cands = (any(pinned) and enumerate_(pins)) or enumerate_(free)
   if fixed is not None:
     cands = [c for c in cands if all(
-        f is None or c[s][a] == f for s in range(len(op.ins), len(slots))
+        f is None or c[s][a] == f for s in range(n_ins, len(slots))
         for a, f in enumerate(fixed))] or cands
   if not cands:  # cannot happen with an all-B signature; be safe
     cands = [tuple(tuple(B for _ in range(mi.ndim)) for _ in slots)]
@@ -72,31 +81,8 @@ def candidates(op, slots, literal, mi: MeshInfo, fixed=None, pinned=()):
   spl = np.where(split, np.array(mi.axis_sizes, dtype=np.float64),
                  1.0).prod(axis=1)
   ob = np.zeros(len(cands))
-  if op.prim not in MEMORY_ALIAS_OPS:
-    for s in range(len(op.ins), len(slots)):
+  if not aliases:
+    for s in range(n_ins, len(slots)):
       ob = ob + spaces[s].local_bytes[slot_idx[s]]
   return cands, slot_idx, spl, ob
 
-
-# :func:`candidates` by op structure and mesh, kept across problems: the
-# planner builds one problem per pipeline schedule and remat variant, of
-# the same few structures (a transformer repeats a few many times).
-_MEMO: dict = {}
-MEMO_SIZE = 1 << 16
-
-
-def structure_candidates(op, slots, literal, mi: MeshInfo, fixed=None,
-                         pinned=()):
-  """:func:`candidates`, computed once per structure (signatures, slot
-  shapes and itemsizes, which inputs are literals, whether the op aliases
-  its input, demanded layout, pins) and mesh. Callers share the result,
-  slot index arrays included, and must not change it."""
-  key = (tuple(op.sigs), literal,
-         tuple((tuple(a.shape), a.dtype.itemsize) for a in slots),
-         len(op.ins), op.prim in MEMORY_ALIAS_OPS, fixed, pinned, mi)
-  got = _MEMO.get(key)
-  if got is None:
-    if len(_MEMO) >= MEMO_SIZE:
-      _MEMO.clear()
-    got = _MEMO[key] = candidates(op, slots, literal, mi, fixed, pinned)
-  return got

@@ -21,14 +21,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autoddl_jax._candidates import structure_candidates
+from autoddl_jax._candidates import candidates
 from autoddl_jax._cluster import Cluster, MeshInfo
 from autoddl_jax._collectives import latency_steps
 from autoddl_jax._cost import transition_steps
 from autoddl_jax._states import StateSpace, ensure_all, state_space
 from autoddl_jax._opgraph import OpGraph
 from autoddl_jax._op_demands import fixed_codes, op_collectives
-from autoddl_jax._memory import MemoryModel
+from autoddl_jax._memory import MEMORY_ALIAS_OPS, MemoryModel
 from autoddl_jax._pinned import pinned_dims, slot_pins
 from autoddl_jax._sbp import P_CODE
 
@@ -119,10 +119,14 @@ class Problem(MemoryModel):
       literal = tuple([t is None for t in op.ins] + [False] * len(op.outs))
       fixed = fixed_codes(op, slots, mi)
       pinned = slot_pins(op, self.pins)
-      # Ops of one structure share their candidates (and slot index
-      # arrays), in this problem and across the planner's others.
-      cands, slot_idx, spl, ob = structure_candidates(op, slots, literal, mi,
-                                                      fixed, pinned)
+      # Ops of one structure (signatures, slot shapes and itemsizes, which
+      # inputs are literals, ...) share their candidates and slot index
+      # arrays, in this problem and across the planner's others.
+      cands, slot_idx, spl, ob = candidates(
+          tuple(op.sigs),
+          tuple((tuple(a.shape), a.dtype.itemsize) for a in slots),
+          literal, len(op.ins), op.prim in MEMORY_ALIAS_OPS, mi, fixed,
+          pinned)
       self.cands.append(cands)
       self.slot_idx.append(slot_idx)
       self.compute.append(op.flops * op.weight / rate / spl)

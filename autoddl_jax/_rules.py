@@ -19,6 +19,7 @@ cost model divides by the candidate's split.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -199,19 +200,15 @@ def signatures(prim: str, ins: Sequence[Aval], outs: Sequence[Aval],
   key = _memo_key(rule, ins, outs, params)
   if key is None:
     return rule.signatures(ins, outs, params)
-  got = _SIGNATURES.get(key)
-  if got is None:
-    if len(_SIGNATURES) >= MEMO_SIZE:
-      _SIGNATURES.clear()
-    got = _SIGNATURES[key] = tuple(rule.signatures(ins, outs, params))
-  return list(got)
+  return list(_memoised(*key))
 
 
-# Signatures by primitive, avals and parameters: the planner traces one
-# step many times (a program per pipeline schedule and remat variant), the
-# same equations each time.
-_SIGNATURES: dict = {}
-MEMO_SIZE = 1 << 16
+# Kept across programs: the planner traces one step many times (a program
+# per pipeline schedule and remat variant), the same equations each time.
+@functools.lru_cache(maxsize=1 << 16)
+def _memoised(rule: Rule, ins: tuple, outs: tuple, items: tuple
+              ) -> tuple[Sig, ...]:
+  return tuple(rule.signatures(ins, outs, dict(items)))
 
 
 def _memo_key(rule, ins, outs, params):

@@ -56,8 +56,8 @@ def test_memoised_candidates_and_signatures_equal_fresh_ones():
   # remat variant); a program built with them cleared must be the same.
   from autoddl_jax import _candidates, _rules
   warm = _program_of()
-  _candidates._MEMO.clear()
-  _rules._SIGNATURES.clear()
+  _candidates.candidates.cache_clear()
+  _rules._memoised.cache_clear()
   cold = _program_of()
   assert [op.sigs for op in warm.graph.ops] == [
       op.sigs for op in cold.graph.ops]
@@ -67,4 +67,5 @@ def test_memoised_candidates_and_signatures_equal_fresh_ones():
                                     for x, y in zip(a, b))
   np.testing.assert_array_equal(np.concatenate(warm.problem.out_bytes),
                                 np.concatenate(cold.problem.out_bytes))
-  assert _rules._SIGNATURES and _candidates._MEMO  # refilled
+  assert _rules._memoised.cache_info().currsize  # refilled
+  assert _candidates.candidates.cache_info().currsize
