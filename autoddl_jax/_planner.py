@@ -201,8 +201,7 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
   its first microbatch count; the two with the fastest plans without the
   budget get the other counts too; and (``repeats`` None) the fastest
   schedule of all is tried with :func:`_stages.circular_repeats` chunks
-  of the ``layers``, where GPipe with twice its microbatches was not
-  planned. Then the schedules are fitted in the order of that bound, and
+  of the ``layers``. Then the schedules are fitted in the order of that bound, and
   one (or a remat variant of one) whose bound is no faster than a plan
   that fits already is not fitted. On the 175B GPT this fits 3 of the 11
   schedules."""
@@ -245,8 +244,7 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
       scout(axis, stages, m, v)
   if repeats is None and layers is not None and scouted:
     best = min(scouted, key=lambda e: e.free_s).plan.schedule
-    v = _stages.circular_repeats(layers, best.stages, best.microbatches,
-                                 batches)
+    v = _stages.circular_repeats(layers, best.stages, best.microbatches)
     if v is not None:
       scout(mi.axis_names.index(best.split_from or best.axis), best.stages,
             best.microbatches, v)

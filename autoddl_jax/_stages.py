@@ -10,8 +10,7 @@ for data or tensor parallelism. :func:`options` lists the schedules to plan
 (the stage count divides the axis and every stack's layer count), with
 :func:`microbatch_counts` (dividing every batch: ``4S`` first for every
 schedule, the others for the best two without the budget only) and
-:func:`circular_repeats` (circular stages, for the best schedule where
-GPipe with twice its microbatches was not planned), and
+:func:`circular_repeats` (circular stages, for the best schedule), and
 :func:`stage_mesh` makes the mesh a schedule is planned on.
 """
 
@@ -133,20 +132,23 @@ def why_none(calls: Sequence[Call], mi: MeshInfo, stages: int,
           f"divisible by {stages} while the layer counts {layers} are")
 
 
-def circular_repeats(layers: int, stages: int, microbatches: int,
-                     batches: Sequence[int]) -> int | None:
-  """The chunks per stage the planner tries circular stages with, after
-  GPipe: the fewest > 1 the layers per stage split into (each chunk more
-  adds a round of permutes and halves the bubble less). None where GPipe
-  with 2M microbatches was planned (:func:`microbatch_counts`: it has the
-  bubble of 2 chunks with M -- on the 175B GPT under full remat, 7.143 s
-  against 7.139 s by the model, not worth planning again), where there is
-  no such count, or where the microbatches are fewer than the stages.
-  Where 2M is past the counts tried, GPipe has no schedule with that
-  bubble: on the 175B GPT under selective recomputation 16 stages of 2
-  chunks at M=128 take 6.351 s against GPipe's 6.547 s."""
-  if 2 * microbatches in microbatch_counts(stages, batches):
-    return None
+def circular_repeats(layers: int, stages: int, microbatches: int
+                     ) -> int | None:
+  """The chunks per stage the planner tries circular stages with, on the
+  best schedule without the budget: the fewest > 1 the layers per stage
+  split into (each chunk more adds a round of permutes and halves the
+  bubble less). None where there is no such count, or where the
+  microbatches are fewer than the stages.
+
+  Tried whether or not GPipe with 2M microbatches was planned: circular
+  stages have 2M's bubble at M's microbatch size, so where 2M lost to M
+  (its microbatches too small, or not splitting over the data axes:
+  the 175B GPT on (16, 16, 4), where GPipe at M=128 takes 14.5 s against
+  7.5 s at M=64) they can still win -- 16 stages of 2 chunks at M=64
+  take 7.0 s there. Where 2M is past the counts tried, GPipe has no
+  schedule with that bubble: on the 175B GPT on (128, 8) under selective
+  recomputation 16 stages of 2 chunks at M=128 take 6.351 s against
+  GPipe's 6.547 s."""
   more = [v for v in _divisors(layers // stages) if v > 1]
   return more[0] if more and microbatches >= stages else None
 

@@ -141,20 +141,15 @@ def test_stage_meshes_split_a_slow_axis():
   assert _stages.options(calls, mi, 2) == [(1, 2)]  # a whole axis first
   assert _stages.options([pipeline.Call(4, 8, True)], mi, None) == []
   assert _stages.microbatch_counts(2, [8]) == [8, 4]
-  # Circular stages are tried where GPipe at twice the microbatches was
-  # not planned (else it has their bubble, and was compared), with the
-  # fewest chunks the stage's layers split into, and M >= S.
-  assert _stages.circular_repeats(8, 2, 8, [8]) == 2
-  assert _stages.circular_repeats(12, 2, 8, [8]) == 2
-  assert _stages.circular_repeats(18, 2, 8, [8]) == 3
-  assert _stages.microbatch_counts(2, [16]) == [8, 4, 16]
-  assert _stages.circular_repeats(8, 2, 8, [16]) is None
-  # M = 8S, the most tried: the batch holds 2M, but GPipe was not planned
-  # with it.
-  assert _stages.microbatch_counts(2, [64]) == [8, 4, 16]
-  assert _stages.circular_repeats(8, 2, 16, [64]) == 2
-  assert _stages.circular_repeats(8, 8, 8, [8]) is None  # one layer each
-  assert _stages.circular_repeats(8, 4, 2, [2]) is None  # M < S
+  # Circular stages are tried on the best schedule with the fewest chunks
+  # the stage's layers split into, and M >= S -- also where GPipe at twice
+  # the microbatches was planned: it may have lost by its smaller
+  # microbatches, which circular stages do not have.
+  assert _stages.circular_repeats(8, 2, 8) == 2
+  assert _stages.circular_repeats(12, 2, 8) == 2
+  assert _stages.circular_repeats(18, 2, 8) == 3
+  assert _stages.circular_repeats(8, 8, 8) is None  # one layer each
+  assert _stages.circular_repeats(8, 4, 2) is None  # M < S
   assert _stages.options(calls, mi, None, repeats=2) == [(0, 2), (1, 2)]
   # On three axes the planner splits none by itself (four axes make every
   # tensor's layouts too many to plan in time); a forced count still may.
@@ -357,6 +352,30 @@ def test_skipping_schedules_that_cannot_win_changes_no_plan(monkeypatch):
   assert a.cost.time_s == b.cost.time_s
   assert a.cost.memory_bytes <= budget
   assert counts[True] < counts[False]  # 18 against 24 when written
+
+
+@pytest.mark.slow  # the 175B GPT planned twice, abstractly: ~40 s on 2 cores
+def test_circular_stages_are_tried_where_gpipe_at_twice_the_microbatches_loses(
+    monkeypatch):
+  # On (16, 16, 4) GPipe's best is 16 stages at M=64 (a sequence per data
+  # replica); M=128 is planned too and loses badly, its microbatches of 8
+  # sequences not splitting over data=16. Circular stages have M=128's
+  # bubble with M=64's microbatches: they must still be tried, and win.
+  from autoddl_jax.testing import models as zoo
+  cfg = zoo.GptConfig(vocab=51200, d_model=12288, n_heads=96, n_layers=96,
+                      seq=2048, batch=1024, dtype=jnp.bfloat16,
+                      pipeline=True)
+  ex = zoo.gpt(cfg, abstract=True)
+  mesh = AbstractMesh((16, 16, 4), ("pp", "data", "model"))
+  plan = ad.plan(ex.step, *ex.args, mesh=mesh)
+  sched = plan.schedule
+  assert (sched.stages, sched.repeats, sched.microbatches) == (16, 2, 64)
+  monkeypatch.setattr(_stages, "circular_repeats", lambda *a: None)
+  gpipe = ad.plan(ex.step, *ex.args, mesh=mesh)
+  assert gpipe.schedule.repeats == 1 and gpipe.schedule.stages == 16
+  assert plan.cost.time_s < 0.95 * gpipe.cost.time_s  # 6.98 s vs 7.50 s
+  for p in (plan, gpipe):
+    assert p.cost.memory_bytes <= p.memory_budget
 
 
 def test_forced_stages_fit_no_plan_without_them(monkeypatch):
