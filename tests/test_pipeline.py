@@ -378,6 +378,40 @@ def test_circular_stages_are_tried_where_gpipe_at_twice_the_microbatches_loses(
     assert p.cost.memory_bytes <= p.memory_budget
 
 
+def test_circular_stages_are_tried_on_the_fitted_winner_too(monkeypatch):
+  # Under a tight budget the fastest GPipe schedule that fits (M=16) is
+  # not the fastest without the budget (M=4), on which circular stages
+  # were tried first: they are tried on the fitted winner too.
+  from autoddl_jax.testing import models as zoo
+  cfg = zoo.GptConfig(d_model=64, n_heads=4, n_layers=8, seq=16, batch=16,
+                      pipeline=True)
+  ex = zoo.gpt(cfg, abstract=True)
+  cluster = ad.Cluster(devices_per_node=4, intra_node_bandwidth=100e9,
+                       inter_node_bandwidth=0.25e9, peak_flops=1e11,
+                       memory_per_device=2**30, flops_efficiency=1.0)
+  mesh = AbstractMesh((2, 4), ("data", "model"))
+  free = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=cluster,
+                 memory_budget=float("inf"), pipeline=1)
+  results = []
+  plan_stages = _planner.plan_stages
+  monkeypatch.setattr(_planner, "plan_stages", lambda *a, **k: (
+      results.append(plan_stages(*a, **k)), results[-1])[1])
+  ad.plan(ex.step, *ex.args, mesh=mesh, cluster=cluster,
+          memory_budget=0.12 * free.cost.memory_bytes)
+  [found] = results
+  # plan() appends the plan without stages to the list
+  found = [f for f in found if f[0].schedule is not None]
+
+  def key(s):
+    return s.axis, s.stages, s.microbatches
+  fits = [p for p, over, _ in found
+          if over is None and p.schedule.repeats == 1]
+  winner = min(fits, key=lambda p: p.cost.time_s).schedule
+  circular = [key(p.schedule) for p, _, _ in found if p.schedule.repeats > 1]
+  assert key(winner) in circular
+  assert len(circular) == 2  # the first on another schedule
+
+
 def test_forced_stages_fit_no_plan_without_them(monkeypatch):
   # The plan without stages, over the budget, is fitted among the
   # schedules, best first (_planner.plan_stages); with stages forced it is
