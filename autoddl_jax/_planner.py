@@ -179,38 +179,6 @@ class _Scouted:
   free_s: float
 
 
-def _fit_best_first(pending, bar: float, budget, flat, verbose: bool
-                    ) -> float:
-  """Fits the schedules ``pending`` ((bound, _Scouted or None for the plan
-  without stages)) to ``budget`` in the order of their bounds, skipping
-  one whose bound is no faster than ``bar``, the fastest plan that fits
-  so far; returns the new ``bar``."""
-  for lower, e in sorted(pending, key=lambda t: t[0]):
-    what = "no stages" if e is None else e.what
-    if PRUNE_SCHEDULES and lower >= bar:
-      if verbose:
-        print(f"[autoddl_jax] pipeline: {what}: not fitted to the budget: "
-              f"{lower * 1e3:.6g} ms without it, another plan that fits "
-              f"takes {bar * 1e3:.6g} ms", file=sys.stderr, flush=True)
-      continue
-    if verbose:
-      print(f"[autoddl_jax] pipeline: {what}: fitting the budget",
-            file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    beat_now = bar if PRUNE_SCHEDULES else math.inf
-    if e is None:
-      fitted_s = flat[1](beat_now, bar < math.inf)
-    else:
-      fitted, e.over, _ = e.variants.fit(budget, beat=beat_now,
-                                         others_fit=bar < math.inf)
-      e.plan = fitted or e.plan  # None: no variant can fit (over says why)
-      e.seconds += time.perf_counter() - t0
-      fitted_s = e.plan.cost.time_s if e.over is None else None
-    if fitted_s is not None:
-      bar = min(bar, fitted_s)
-  return bar
-
-
 def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
                 budget, may_remat: bool, policy, beat: float = math.inf,
                 layers: int | None = None, repeats: int | None = None,
@@ -234,8 +202,9 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
   budget get the other counts too; and (``repeats`` None) the fastest
   schedule of all is tried with :func:`_stages.circular_repeats` chunks
   of the ``layers``. Then the schedules are fitted in the order of that
-  bound (:func:`_fit_best_first`), and one (or a remat variant of one)
-  whose bound is no faster than a plan that fits already is not fitted.
+  bound (:func:`_stages.fit_best_first`), and one (or a remat variant of
+  one) whose bound is no faster than a plan that fits already is not
+  fitted.
   On the 175B GPT this fits 3 of the 11 schedules. Where the fastest
   GPipe schedule that fits is not the one circular stages were tried on,
   they are tried (and fitted, where they can still win) on it too."""
@@ -279,35 +248,36 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
   circled = set()  # the schedules circular stages were tried on
 
   def try_circular(sched):
-    v = _stages.circular_repeats(layers, sched.stages, sched.microbatches)
+    reps = _stages.circular_repeats(layers, sched.stages, sched.microbatches)
     key = (sched.axis, sched.stages, sched.microbatches)
-    if v is None or key in circled:
-      return
-    circled.add(key)
-    scout(mi.axis_names.index(sched.split_from or sched.axis), sched.stages,
-          sched.microbatches, v)
+    if reps is not None and key not in circled:
+      circled.add(key)
+      scout(mi.axis_names.index(sched.split_from or sched.axis),
+            sched.stages, sched.microbatches, reps)
 
-  if repeats is None and layers is not None and scouted:
+  def fit_from(n, bar, flat):  # the schedules scouted[n:], and flat
+    new = scouted[n:]
+    bar = min([bar] + [e.free_s for e in new if e.over is None])
+    pending = [(e.free_s, e) for e in new if e.over is not None]
+    if flat is not None:
+      pending.append((flat[0], None))
+    return _stages.fit_best_first(pending, bar, budget, flat, verbose,
+                                   PRUNE_SCHEDULES)
+
+  circular = repeats is None and layers is not None
+  if circular and scouted:
     try_circular(min(scouted, key=lambda e: e.free_s).plan.schedule)
-  bar = min([beat] + [e.free_s for e in scouted if e.over is None])
-  pending = [(e.free_s, e) for e in scouted if e.over is not None]
-  if flat is not None:
-    pending.append((flat[0], None))
-  bar = _fit_best_first(pending, bar, budget, flat, verbose)
-  if repeats is None and layers is not None:
-    # The fitting may crown another schedule than the fastest without the
-    # budget: circular stages are tried on it too, and fitted where they
-    # can still win (on the 175B GPT on (64, 16) the fitted winner is 8
-    # stages at M=32, 16.8 s; 8 stages of 2 chunks take 14.6 s).
-    fitted = [e for e in scouted if e.over is None
-              and e.plan.schedule.repeats == 1]
-    if fitted:
-      n = len(scouted)
-      try_circular(min(fitted, key=lambda e: e.plan.cost.time_s
-                       ).plan.schedule)
-      pending = [(e.free_s, e) for e in scouted[n:] if e.over is not None]
-      bar = min([bar] + [e.free_s for e in scouted[n:] if e.over is None])
-      _fit_best_first(pending, bar, budget, None, verbose)
+  bar = fit_from(0, beat, flat)
+  # The fitting may crown another schedule than the fastest without the
+  # budget: circular stages are tried on it too, fitted where they can
+  # still win (the 175B GPT on (64, 16): 8 stages at M=32 fit in 16.8 s,
+  # 8 stages of 2 chunks at M=32 in 15.4 s).
+  fitted = [e for e in scouted if e.over is None
+            and e.plan.schedule.repeats == 1]
+  if circular and fitted:
+    n = len(scouted)
+    try_circular(min(fitted, key=lambda e: e.plan.cost.time_s).plan.schedule)
+    fit_from(n, bar, None)
   return [(e.plan.replace(search_s=e.seconds), e.over, e.variants)
           for e in scouted]
 

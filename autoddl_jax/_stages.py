@@ -10,13 +10,16 @@ for data or tensor parallelism. :func:`options` lists the schedules to plan
 (the stage count divides the axis and every stack's layer count), with
 :func:`microbatch_counts` (dividing every batch: ``4S`` first for every
 schedule, the others for the best two without the budget only) and
-:func:`circular_repeats` (circular stages, for the best schedule), and
-:func:`stage_mesh` makes the mesh a schedule is planned on.
+:func:`circular_repeats` (circular stages, for the best schedule),
+:func:`stage_mesh` makes the mesh a schedule is planned on, and
+:func:`fit_best_first` fits the planned schedules to the budget.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -135,7 +138,8 @@ def why_none(calls: Sequence[Call], mi: MeshInfo, stages: int,
 def circular_repeats(layers: int, stages: int, microbatches: int
                      ) -> int | None:
   """The chunks per stage the planner tries circular stages with, on the
-  best schedule without the budget: the fewest > 1 the layers per stage
+  best schedule without the budget and on the best GPipe one that fits
+  (``_planner.plan_stages``): the fewest > 1 the layers per stage
   split into (each chunk more adds a round of permutes and halves the
   bubble less). None where there is no such count, or where the
   microbatches are fewer than the stages.
@@ -151,6 +155,38 @@ def circular_repeats(layers: int, stages: int, microbatches: int
   GPipe's 6.547 s."""
   more = [v for v in _divisors(layers // stages) if v > 1]
   return more[0] if more and microbatches >= stages else None
+
+
+def fit_best_first(pending, bar: float, budget, flat, verbose: bool,
+                   prune: bool = True) -> float:
+  """Fits the schedules ``pending`` ((bound, the planner's _Scouted, or
+  None for the plan without stages)) to ``budget`` in the order of their
+  bounds; with ``prune``, one whose bound is no faster than ``bar``, the
+  fastest plan that fits so far, is not fitted. Returns the new bar."""
+  for lower, e in sorted(pending, key=lambda t: t[0]):
+    what = "no stages" if e is None else e.what
+    if prune and lower >= bar:
+      if verbose:
+        print(f"[autoddl_jax] pipeline: {what}: not fitted to the budget: "
+              f"{lower * 1e3:.6g} ms without it, another plan that fits "
+              f"takes {bar * 1e3:.6g} ms", file=sys.stderr, flush=True)
+      continue
+    if verbose:
+      print(f"[autoddl_jax] pipeline: {what}: fitting the budget",
+            file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    beat_now = bar if prune else math.inf
+    if e is None:
+      fitted_s = flat[1](beat_now, bar < math.inf)
+    else:
+      fitted, e.over, _ = e.variants.fit(budget, beat=beat_now,
+                                         others_fit=bar < math.inf)
+      e.plan = fitted or e.plan  # None: no variant can fit (over says why)
+      e.seconds += time.perf_counter() - t0
+      fitted_s = e.plan.cost.time_s if e.over is None else None
+    if fitted_s is not None:
+      bar = min(bar, fitted_s)
+  return bar
 
 
 def replica_axes(mi: MeshInfo, stage_axis: str, micro_rows: Sequence[int]

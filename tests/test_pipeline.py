@@ -318,15 +318,12 @@ def test_a_plan_on_a_split_axis_runs_on_the_users_arrays():
     assert _rel(g, w) < 1e-5
 
 
-@pytest.mark.slow  # plans every schedule twice: ~100 s on 2 cores
-def test_skipping_schedules_that_cannot_win_changes_no_plan(monkeypatch):
-  # Under a budget that binds, plan_stages does not fit a schedule (or a
-  # remat variant of one) whose best plan without the budget is already
-  # no faster than one that fits. The plan is the one fitting every
-  # schedule finds, with fewer searches.
+def _tiny_gpt_over_a_slow_link(n_layers):
+  """A tiny pipelined GPT on (2, 4) whose data axis crosses a slow link,
+  and its plan without stages or budget (whose memory budgets scale)."""
   from autoddl_jax.testing import models as zoo
-  cfg = zoo.GptConfig(d_model=64, n_heads=4, n_layers=4, seq=16, batch=16,
-                      pipeline=True)
+  cfg = zoo.GptConfig(d_model=64, n_heads=4, n_layers=n_layers, seq=16,
+                      batch=16, pipeline=True)
   ex = zoo.gpt(cfg, abstract=True)
   cluster = ad.Cluster(devices_per_node=4, intra_node_bandwidth=100e9,
                        inter_node_bandwidth=0.25e9, peak_flops=1e11,
@@ -334,6 +331,16 @@ def test_skipping_schedules_that_cannot_win_changes_no_plan(monkeypatch):
   mesh = AbstractMesh((2, 4), ("data", "model"))
   free = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=cluster,
                  memory_budget=float("inf"), pipeline=1)
+  return ex, cluster, mesh, free
+
+
+@pytest.mark.slow  # plans every schedule twice: ~100 s on 2 cores
+def test_skipping_schedules_that_cannot_win_changes_no_plan(monkeypatch):
+  # Under a budget that binds, plan_stages does not fit a schedule (or a
+  # remat variant of one) whose best plan without the budget is already
+  # no faster than one that fits. The plan is the one fitting every
+  # schedule finds, with fewer searches.
+  ex, cluster, mesh, free = _tiny_gpt_over_a_slow_link(4)
   budget = 0.5 * free.cost.memory_bytes
   searches = []
   search_plan = _planner.search_plan
@@ -382,16 +389,7 @@ def test_circular_stages_are_tried_on_the_fitted_winner_too(monkeypatch):
   # Under a tight budget the fastest GPipe schedule that fits (M=16) is
   # not the fastest without the budget (M=4), on which circular stages
   # were tried first: they are tried on the fitted winner too.
-  from autoddl_jax.testing import models as zoo
-  cfg = zoo.GptConfig(d_model=64, n_heads=4, n_layers=8, seq=16, batch=16,
-                      pipeline=True)
-  ex = zoo.gpt(cfg, abstract=True)
-  cluster = ad.Cluster(devices_per_node=4, intra_node_bandwidth=100e9,
-                       inter_node_bandwidth=0.25e9, peak_flops=1e11,
-                       memory_per_device=2**30, flops_efficiency=1.0)
-  mesh = AbstractMesh((2, 4), ("data", "model"))
-  free = ad.plan(ex.step, *ex.args, mesh=mesh, cluster=cluster,
-                 memory_budget=float("inf"), pipeline=1)
+  ex, cluster, mesh, free = _tiny_gpt_over_a_slow_link(8)
   results = []
   plan_stages = _planner.plan_stages
   monkeypatch.setattr(_planner, "plan_stages", lambda *a, **k: (
