@@ -207,7 +207,8 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
   fitted.
   On the 175B GPT this fits 3 of the 11 schedules. Where the fastest
   GPipe schedule that fits is not the one circular stages were tried on,
-  they are tried (and fitted, where they can still win) on it too."""
+  they are tried (and fitted, where they can still win) on its stage
+  count too, at each of its microbatch counts."""
   mi = _program.mesh_info(mesh, cluster)
   scouted: list[_Scouted] = []
 
@@ -247,13 +248,14 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
       scout(axis, stages, m, v)
   circled = set()  # the schedules circular stages were tried on
 
-  def try_circular(sched):
-    reps = _stages.circular_repeats(layers, sched.stages, sched.microbatches)
-    key = (sched.axis, sched.stages, sched.microbatches)
+  def try_circular(sched, m=None):
+    m = m or sched.microbatches
+    reps = _stages.circular_repeats(layers, sched.stages, m)
+    key = (sched.axis, sched.stages, m)
     if reps is not None and key not in circled:
       circled.add(key)
       scout(mi.axis_names.index(sched.split_from or sched.axis),
-            sched.stages, sched.microbatches, reps)
+            sched.stages, m, reps)
 
   def fit_from(n, bar, flat):  # the schedules scouted[n:], and flat
     new = scouted[n:]
@@ -269,14 +271,18 @@ def plan_stages(fn, args, mesh, cluster, verbose: bool, opts, batches,
     try_circular(min(scouted, key=lambda e: e.free_s).plan.schedule)
   bar = fit_from(0, beat, flat)
   # The fitting may crown another schedule than the fastest without the
-  # budget: circular stages are tried on it too, fitted where they can
-  # still win (the 175B GPT on (64, 16): 8 stages at M=32 fit in 16.8 s,
-  # 8 stages of 2 chunks at M=32 in 15.4 s).
+  # budget: circular stages are tried on its stage count too, at every
+  # microbatch count (circular stages change what M buys: the 175B GPT on
+  # (64, 16): 8 stages at M=32 fit in 16.8 s, 8 of 2 chunks at M=32 in
+  # 15.4 s, at M=16 in 14.6 s), fitted where they can still win.
   fitted = [e for e in scouted if e.over is None
             and e.plan.schedule.repeats == 1]
   if circular and fitted:
     n = len(scouted)
-    try_circular(min(fitted, key=lambda e: e.plan.cost.time_s).plan.schedule)
+    best = min(fitted, key=lambda e: e.plan.cost.time_s).plan.schedule
+    if (best.axis, best.stages, best.microbatches) not in circled:
+      for m in _stages.microbatch_counts(best.stages, batches):
+        try_circular(best, m)
     fit_from(n, bar, None)
   return [(e.plan.replace(search_s=e.seconds), e.over, e.variants)
           for e in scouted]
