@@ -10,7 +10,8 @@ for data or tensor parallelism. :func:`options` lists the schedules to plan
 (the stage count divides the axis and every stack's layer count), with
 :func:`microbatch_counts` (dividing every batch: ``4S`` first for every
 schedule, the others for the best two without the budget only) and
-:func:`circular_repeats` (circular stages, for the best schedule),
+:func:`circular_repeats` (circular stages, for the best schedule and
+the best that fits),
 :func:`stage_mesh` makes the mesh a schedule is planned on, and
 :func:`fit_best_first` fits the planned schedules to the budget.
 """
@@ -138,7 +139,8 @@ def why_none(calls: Sequence[Call], mi: MeshInfo, stages: int,
 def circular_repeats(layers: int, stages: int, microbatches: int
                      ) -> int | None:
   """The chunks per stage the planner tries circular stages with, on the
-  best schedule without the budget and on the best GPipe one that fits
+  best schedule without the budget and on the stage count of the best
+  GPipe one that fits, at each of its microbatch counts
   (``_planner.plan_stages``): the fewest > 1 the layers per stage
   split into (each chunk more adds a round of permutes and halves the
   bubble less). None where there is no such count, or where the

@@ -361,6 +361,15 @@ def test_skipping_schedules_that_cannot_win_changes_no_plan(monkeypatch):
   assert counts[True] < counts[False]  # 18 against 24 when written
 
 
+def _gpt_175b():
+  """The 175B GPT of benchmarks/pipeline_175b.py, abstract (shapes only)."""
+  from autoddl_jax.testing import models as zoo
+  cfg = zoo.GptConfig(vocab=51200, d_model=12288, n_heads=96, n_layers=96,
+                      seq=2048, batch=1024, dtype=jnp.bfloat16,
+                      pipeline=True)
+  return zoo.gpt(cfg, abstract=True)
+
+
 @pytest.mark.slow  # the 175B GPT planned twice, abstractly: ~40 s on 2 cores
 def test_circular_stages_are_tried_where_gpipe_at_twice_the_microbatches_loses(
     monkeypatch):
@@ -368,11 +377,7 @@ def test_circular_stages_are_tried_where_gpipe_at_twice_the_microbatches_loses(
   # replica); M=128 is planned too and loses badly, its microbatches of 8
   # sequences not splitting over data=16. Circular stages have M=128's
   # bubble with M=64's microbatches: they must still be tried, and win.
-  from autoddl_jax.testing import models as zoo
-  cfg = zoo.GptConfig(vocab=51200, d_model=12288, n_heads=96, n_layers=96,
-                      seq=2048, batch=1024, dtype=jnp.bfloat16,
-                      pipeline=True)
-  ex = zoo.gpt(cfg, abstract=True)
+  ex = _gpt_175b()
   mesh = AbstractMesh((16, 16, 4), ("pp", "data", "model"))
   plan = ad.plan(ex.step, *ex.args, mesh=mesh)
   sched = plan.schedule
@@ -391,11 +396,7 @@ def test_circular_stages_on_the_fitted_winner_get_its_other_microbatches():
   # circular stages of 2 chunks take 15.4 s at its M=32, and 14.6 s at
   # M=16, where the per-tick collectives over the mixed 'model' axis are
   # paid half as often: the planner finds what forcing (8, 2) finds.
-  from autoddl_jax.testing import models as zoo
-  cfg = zoo.GptConfig(vocab=51200, d_model=12288, n_heads=96, n_layers=96,
-                      seq=2048, batch=1024, dtype=jnp.bfloat16,
-                      pipeline=True)
-  ex = zoo.gpt(cfg, abstract=True)
+  ex = _gpt_175b()
   mesh = AbstractMesh((64, 16), ("data", "model"))
   plan = ad.plan(ex.step, *ex.args, mesh=mesh)
   forced = ad.plan(ex.step, *ex.args, mesh=mesh, pipeline=(8, 2))
